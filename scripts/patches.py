@@ -1,0 +1,697 @@
+#!/usr/bin/env python3
+"""Apply, check, revert and report magpie-vllm-plugins' patches on a vLLM installation.
+
+The target is either a vLLM source tree (a checkout or an unpacked sdist) or an installed
+package (the site-packages folder of a venv, found from its Python interpreter). Patches are
+listed in apply order in `patches/series`; each states what it requires in its header.
+
+    scripts/patches.py status --python ~/venvs/vllm/bin/python
+    scripts/patches.py apply ple-ssd --python ~/venvs/vllm/bin/python
+    scripts/patches.py revert --target ~/src/vllm
+
+Everything is checked before anything changes: an apply or revert that cannot go through
+completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not).
+Standard library only, and no `git apply`: git run inside another repository's work tree (a
+venv inside a project) silently skips paths outside it.
+
+Exit codes: 0 success; 1 the request cannot be carried out (conflict, missing prerequisite,
+with `status --require-applied`: a selected patch is not applied); 2 usage or target error;
+3 (`status`) a patch is conflicting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+PATCHES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "patches")
+
+APPLIED = "applied"
+NOT_APPLIED = "not applied"
+CONFLICTING = "conflicting"
+
+
+class ToolError(Exception):
+    """A problem with the request, the target or the patch files (exit 2)."""
+
+
+class Refusal(Exception):
+    """The request is well-formed but cannot be carried out as asked (exit 1)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Patch files
+
+
+@dataclasses.dataclass
+class Hunk:
+    header: str
+    old_start: int
+    old_lines: list[str]  # each line with its terminator ("\n", or none at end of file)
+    new_lines: list[str]
+
+
+@dataclasses.dataclass
+class FilePatch:
+    path: str  # relative to the target root, e.g. "vllm/config/speculative.py"
+    old_exists: bool
+    new_exists: bool
+    hunks: list[Hunk]
+
+
+@dataclasses.dataclass
+class Patch:
+    name: str  # as listed in the series, e.g. "ple-ssd/0001-mmap-ngram-table.patch"
+    fields: dict[str, str]
+    requires: list[str]
+    files: list[FilePatch]
+
+    @property
+    def description(self) -> str:
+        return self.fields.get("description", "").splitlines()[0] if self.fields else ""
+
+
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def _strip_prefix(path: str) -> str:
+    path = path.split("\t")[0]
+    if path.startswith(("a/", "b/")):
+        return path[2:]
+    return path
+
+
+def parse_header(text: str) -> dict[str, str]:
+    """DEP-3 style `Field: value` lines (continuation lines start with a space)."""
+    fields: dict[str, str] = {}
+    key = None
+    for line in text.splitlines():
+        if line.startswith((" ", "\t")) and key:
+            fields[key] += "\n" + line.strip()
+        elif re.match(r"^[A-Za-z][A-Za-z0-9-]*:", line):
+            key, _, value = line.partition(":")
+            key = key.lower()
+            fields[key] = value.strip()
+        elif line.strip() in ("", "---"):
+            key = None if line.strip() == "---" else key
+    return fields
+
+
+def parse_patch(name: str, text: str) -> Patch:
+    """Parse a git-style unified diff with a DEP-3 style header above the first `diff --git`."""
+    first = text.find("diff --git ")
+    if first < 0:
+        raise ToolError(f"{name}: no `diff --git` section found")
+    fields = parse_header(text[:first])
+    requires = [r.strip() for r in fields.get("requires", "").split(",") if r.strip()]
+    requires = [r for r in requires if r.lower() != "none"]
+    lines = text[first:].split("\n")
+    files: list[FilePatch] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.startswith("diff --git "):
+            i += 1
+            continue
+        old_path = new_path = None
+        i += 1
+        while i < len(lines) and not lines[i].startswith(("@@", "diff --git ")):
+            meta = lines[i]
+            if meta.startswith("--- "):
+                old_path = meta[4:]
+            elif meta.startswith("+++ "):
+                new_path = meta[4:]
+            elif meta.startswith(("rename ", "copy ", "Binary files", "GIT binary patch")):
+                raise ToolError(f"{name}: unsupported diff feature: {meta!r}")
+            i += 1
+        if old_path is None or new_path is None:
+            raise ToolError(f"{name}: a file section has no ---/+++ lines (mode-only change?)")
+        old_exists = old_path != "/dev/null"
+        new_exists = new_path != "/dev/null"
+        path = _strip_prefix(new_path if new_exists else old_path)
+        hunks: list[Hunk] = []
+        while i < len(lines) and lines[i].startswith("@@"):
+            m = _HUNK_RE.match(lines[i])
+            if not m:
+                raise ToolError(f"{name}: malformed hunk header {lines[i]!r} in {path}")
+            header = lines[i]
+            old_count = int(m.group(2)) if m.group(2) is not None else 1
+            new_count = int(m.group(4)) if m.group(4) is not None else 1
+            old: list[str] = []
+            new: list[str] = []
+            i += 1
+            while len(old) < old_count or len(new) < new_count:
+                if i >= len(lines):
+                    raise ToolError(f"{name}: hunk {header!r} in {path} is truncated")
+                body = lines[i]
+                tag, content = (body[:1], body[1:]) if body else (" ", "")
+                if tag == " ":
+                    old.append(content + "\n")
+                    new.append(content + "\n")
+                elif tag == "-":
+                    old.append(content + "\n")
+                elif tag == "+":
+                    new.append(content + "\n")
+                else:
+                    raise ToolError(f"{name}: unexpected line {body!r} in hunk {header!r} of {path}")
+                i += 1
+                # "\ No newline at end of file" applies to the line just read.
+                if i < len(lines) and lines[i].startswith("\\"):
+                    if tag in (" ", "-"):
+                        old[-1] = old[-1][:-1]
+                    if tag in (" ", "+"):
+                        new[-1] = new[-1][:-1]
+                    i += 1
+            if i < len(lines) and lines[i].startswith("\\"):
+                i += 1
+            hunks.append(Hunk(header, int(m.group(1)), old, new))
+        files.append(FilePatch(path, old_exists, new_exists, hunks))
+    return Patch(name, fields, requires, files)
+
+
+def load_series(patches_dir: str) -> list[Patch]:
+    series_file = os.path.join(patches_dir, "series")
+    if not os.path.exists(series_file):
+        raise ToolError(f"no series file at {series_file}")
+    patches = []
+    with open(series_file) as f:
+        for lineno, raw in enumerate(f, 1):
+            entry = raw.split("#", 1)[0].strip()
+            if not entry:
+                continue
+            path = os.path.join(patches_dir, entry)
+            if not os.path.isfile(path):
+                raise ToolError(f"{series_file}:{lineno}: {entry} does not exist")
+            with open(path, encoding="utf-8") as pf:
+                patches.append(parse_patch(entry, pf.read()))
+    names = [p.name for p in patches]
+    for index, patch in enumerate(patches):
+        resolved = []
+        for req in patch.requires:
+            matches = [n for n in names if _matches(n, req)]
+            if len(matches) != 1:
+                raise ToolError(f"{patch.name}: `Requires: {req}` matches {matches or 'no patch'} in the series")
+            if names.index(matches[0]) >= index:
+                raise ToolError(f"{patch.name} requires {matches[0]}, which the series lists after it")
+            resolved.append(matches[0])
+        patch.requires = resolved
+    return patches
+
+
+def _matches(name: str, selector: str) -> bool:
+    """`ple-ssd` selects a whole optimization, `ple-ssd/0001` one patch, or the full name."""
+    selector = selector.strip().removesuffix(".patch")
+    stem = name.removesuffix(".patch")
+    return stem == selector or stem.startswith(selector + "/") or stem.startswith(selector + "-")
+
+
+def select(patches: list[Patch], selectors: list[str]) -> list[Patch]:
+    if not selectors:
+        return list(patches)
+    chosen = set()
+    for selector in selectors:
+        hits = [p.name for p in patches if _matches(p.name, selector)]
+        if not hits:
+            known = ", ".join(p.name for p in patches) or "(the series is empty)"
+            raise ToolError(f"no patch matches {selector!r}; the series has: {known}")
+        chosen.update(hits)
+    return [p for p in patches if p.name in chosen]
+
+
+# --------------------------------------------------------------------------------------------
+# Applying hunks in memory
+
+
+class Conflict(Refusal):
+    def __init__(self, path: str, hunk_index: int | None, header: str, reason: str):
+        where = f"{path}" if hunk_index is None else f"{path} hunk {hunk_index} ({header})"
+        super().__init__(f"{where}: {reason}")
+        self.path, self.hunk_index, self.header, self.reason = path, hunk_index, header, reason
+
+
+def split_lines(content: str) -> list[str]:
+    pieces = content.split("\n")
+    lines = [p + "\n" for p in pieces[:-1]]
+    if pieces[-1]:
+        lines.append(pieces[-1])
+    return lines
+
+
+def _find(lines: list[str], needle: list[str], guess: int, start: int) -> int:
+    """Position of `needle` in `lines` at or after `start`, nearest to `guess`; -1 if absent."""
+    if not needle:
+        return min(max(guess, start), len(lines))
+    last = len(lines) - len(needle)
+    for distance in range(0, max(last + 1, 1)):
+        for pos in (guess - distance, guess + distance) if distance else (guess,):
+            if start <= pos <= last and lines[pos : pos + len(needle)] == needle:
+                return pos
+        if guess - distance < start and guess + distance > last:
+            break
+    return -1
+
+
+def apply_file(fp: FilePatch, content: str | None, reverse: bool) -> str | None:
+    """Return the file's content after applying (or reversing) `fp`; None means deleted."""
+    exists_before = fp.new_exists if reverse else fp.old_exists
+    exists_after = fp.old_exists if reverse else fp.new_exists
+    if exists_before and content is None:
+        raise Conflict(fp.path, None, "", "file does not exist")
+    if not exists_before and content is not None:
+        raise Conflict(fp.path, None, "", "file already exists")
+    lines = split_lines(content or "")
+    offset = 0
+    floor = 0
+    for index, hunk in enumerate(fp.hunks, 1):
+        old, new = (hunk.new_lines, hunk.old_lines) if reverse else (hunk.old_lines, hunk.new_lines)
+        guess = max(hunk.old_start - 1, 0) + offset
+        pos = _find(lines, old, guess, floor)
+        if pos < 0:
+            raise Conflict(fp.path, index, hunk.header, "context does not match")
+        lines[pos : pos + len(old)] = new
+        offset = pos - max(hunk.old_start - 1, 0) + len(new) - len(old)
+        floor = pos + len(new)
+    result = "".join(lines)
+    if not exists_after:
+        if result:
+            raise Conflict(fp.path, None, "", "file to delete has content the patch does not remove")
+        return None
+    return result
+
+
+class Tree:
+    """A target's files, read lazily, changed in memory, written out only by commit()."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.original: dict[str, str | None] = {}
+        self.current: dict[str, str | None] = {}
+
+    def read(self, rel: str) -> str | None:
+        if rel not in self.current:
+            path = os.path.join(self.root, rel)
+            try:
+                with open(path, encoding="utf-8", newline="") as f:
+                    text: str | None = f.read()
+            except FileNotFoundError:
+                text = None
+            self.original[rel] = text
+            self.current[rel] = text
+        return self.current[rel]
+
+    def try_patch(self, patch: Patch, reverse: bool, base: dict[str, str | None] | None = None):
+        """The files `patch` would produce (on top of `base`), or raise Conflict. Changes nothing."""
+        staged: dict[str, str | None] = {}
+        for fp in patch.files:
+            if fp.path in staged:
+                before = staged[fp.path]
+            elif base is not None and fp.path in base:
+                before = base[fp.path]
+            else:
+                before = self.read(fp.path)
+            staged[fp.path] = apply_file(fp, before, reverse)
+        return staged
+
+    def state(self, patch: Patch, base: dict[str, str | None] | None = None) -> tuple[str, str]:
+        """applied / not applied / conflicting, judged on the files as `base` would leave them."""
+        try:
+            self.try_patch(patch, reverse=False, base=base)
+            forward_ok, forward_error = True, ""
+        except Conflict as e:
+            forward_ok, forward_error = False, str(e)
+        try:
+            self.try_patch(patch, reverse=True, base=base)
+            reverse_ok = True
+        except Conflict:
+            reverse_ok = False
+        if reverse_ok and not forward_ok:
+            return APPLIED, ""
+        if forward_ok:
+            return NOT_APPLIED, ""
+        return CONFLICTING, forward_error
+
+    def stage(self, patch: Patch, reverse: bool) -> None:
+        self.current.update(self.try_patch(patch, reverse))
+
+    def changed(self) -> list[str]:
+        return sorted(rel for rel, text in self.current.items() if text != self.original.get(rel))
+
+    def commit(self) -> list[str]:
+        """Write every changed file; on any failure restore what was already written."""
+        changed = self.changed()
+        for rel in changed:
+            target_dir = os.path.dirname(os.path.join(self.root, rel))
+            probe = target_dir
+            while not os.path.isdir(probe):
+                probe = os.path.dirname(probe)
+            if not os.access(probe, os.W_OK):
+                raise ToolError(f"cannot write {os.path.join(self.root, rel)}: permission denied")
+        done: list[str] = []
+        try:
+            for rel in changed:
+                _write(self.root, rel, self.current[rel])
+                done.append(rel)
+        except OSError as e:
+            for rel in done:
+                _write(self.root, rel, self.original[rel])
+            raise ToolError(f"writing {rel} failed ({e}); the files already written were restored") from e
+        return changed
+
+
+def _write(root: str, rel: str, text: str | None) -> None:
+    path = os.path.join(root, rel)
+    # A stale bytecode file could outlive a same-size, same-second edit: drop it.
+    stem = os.path.splitext(os.path.basename(rel))[0]
+    for pyc in glob.glob(os.path.join(os.path.dirname(path), "__pycache__", f"{glob.escape(stem)}.*.pyc")):
+        os.unlink(pyc)
+    if text is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".magpie-patch-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+
+
+@dataclasses.dataclass
+class Target:
+    root: str  # the folder that holds vllm/
+    kind: str  # "source tree" or "installed package"
+    version: str
+
+
+def _version_of(root: str) -> str:
+    for rel in ("vllm/_version.py", "vllm/version.py"):
+        path = os.path.join(root, rel)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                m = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", f.read(), re.M)
+            if m:
+                return m.group(1)
+    for meta in sorted(glob.glob(os.path.join(root, "vllm*.dist-info", "METADATA"))) + [
+        os.path.join(root, "PKG-INFO")
+    ]:
+        if os.path.exists(meta):
+            with open(meta, encoding="utf-8") as f:
+                m = re.search(r"^Version:\s*(\S+)", f.read(), re.M)
+            if m:
+                return m.group(1)
+    return "unknown"
+
+
+def find_target(target: str | None, python: str | None) -> Target:
+    if target and python:
+        raise ToolError("give either --target or --python, not both")
+    if python:
+        code = (
+            "import importlib.util, sys\n"
+            "spec = importlib.util.find_spec('vllm')\n"
+            "sys.exit('vllm is not installed for this interpreter') if spec is None else "
+            "print(list(spec.submodule_search_locations)[0])"
+        )
+        try:
+            proc = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+        except OSError as e:
+            raise ToolError(f"cannot run --python {python}: {e.strerror}") from e
+        if proc.returncode != 0:
+            raise ToolError(f"--python {python}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}")
+        package_dir = proc.stdout.strip()
+        root = os.path.dirname(package_dir)
+        return Target(root, "installed package", _version_of(root))
+    if not target:
+        raise ToolError("no target: give --python /path/to/venv/bin/python or --target /path/to/vllm-tree")
+    path = os.path.abspath(target)
+    if os.path.basename(path) == "vllm" and os.path.isfile(os.path.join(path, "__init__.py")):
+        path = os.path.dirname(path)
+    if not os.path.isfile(os.path.join(path, "vllm", "__init__.py")):
+        raise ToolError(f"--target {target}: no vllm/__init__.py there (expected a vLLM source tree or site-packages)")
+    kind = "source tree" if os.path.exists(os.path.join(path, "setup.py")) or os.path.exists(
+        os.path.join(path, "pyproject.toml")
+    ) else "installed package"
+    return Target(path, kind, _version_of(path))
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+
+
+def compute_states(tree: Tree, patches: list[Patch]) -> dict[str, tuple[str, str]]:
+    """Each patch's state, treating the series as a stack.
+
+    A patch is "applied" when it reverses cleanly once the applied patches after it are reversed
+    (a later patch may edit lines an earlier one added). A patch whose prerequisites are not
+    applied yet is judged on the files as those prerequisites would leave them, so it reads
+    "not applied", not "conflicting".
+    """
+    by_name = {p.name: p for p in patches}
+    states: dict[str, tuple[str, str]] = {}
+    unwound: dict[str, str | None] = {}
+    for patch in reversed(patches):
+        state, _ = tree.state(patch, unwound)
+        if state == APPLIED:
+            states[patch.name] = (APPLIED, "")
+            unwound.update(tree.try_patch(patch, reverse=True, base=unwound))
+    for patch in patches:
+        if patch.name in states:
+            continue
+        pending = _pending_requires(patch, by_name, states)
+        base: dict[str, str | None] = {}
+        blocked = ""
+        for req in pending:
+            if states[req][0] != NOT_APPLIED:
+                blocked = f"{req} is {states[req][0]}"
+                break
+            base.update(tree.try_patch(by_name[req], reverse=False, base=base))
+        state, detail = tree.state(patch, base if not blocked else None)
+        if state == APPLIED:  # reverses on the current files but not in stack order
+            state, detail = CONFLICTING, "its changes are present but a later patch no longer reverses"
+        if state == CONFLICTING and blocked:
+            detail = f"{detail} (prerequisite {blocked})"
+        elif state == NOT_APPLIED and pending:
+            detail = "needs " + ", ".join(pending) + " first"
+        states[patch.name] = (state, detail)
+    return {p.name: states[p.name] for p in patches}
+
+
+def _pending_requires(patch: Patch, by_name: dict[str, Patch], states) -> list[str]:
+    """Transitive prerequisites of `patch` that are not applied, in series order."""
+    pending: list[str] = []
+
+    def visit(p: Patch) -> None:
+        for req in p.requires:
+            visit(by_name[req])
+            if states[req][0] != APPLIED and req not in pending:
+                pending.append(req)
+
+    visit(patch)
+    order = list(by_name)
+    return sorted(pending, key=order.index)
+
+
+def plan_apply(
+    patches: list[Patch], chosen: list[Patch], states: dict[str, tuple[str, str]], with_requires: bool
+) -> list[Patch]:
+    by_name = {p.name: p for p in patches}
+    wanted: set[str] = set()
+
+    def want(patch: Patch) -> None:
+        for req in patch.requires:
+            if states[req][0] != APPLIED and req not in wanted:
+                if not with_requires and req not in {c.name for c in chosen}:
+                    raise Refusal(
+                        f"{patch.name} requires {req}, which is {states[req][0]}; "
+                        f"apply it first or pass --with-requires"
+                    )
+                want(by_name[req])
+        if states[patch.name][0] != APPLIED:
+            wanted.add(patch.name)
+
+    for patch in chosen:
+        want(patch)
+    return [p for p in patches if p.name in wanted]
+
+
+def plan_revert(
+    patches: list[Patch], chosen: list[Patch], states: dict[str, tuple[str, str]], with_dependents: bool
+) -> list[Patch]:
+    wanted = {p.name for p in chosen if states[p.name][0] == APPLIED}
+    changed = True
+    while changed:
+        changed = False
+        for patch in patches:
+            if states[patch.name][0] != APPLIED or patch.name in wanted:
+                continue
+            needed = [r for r in patch.requires if r in wanted]
+            if needed:
+                if not with_dependents:
+                    raise Refusal(
+                        f"cannot revert {needed[0]}: {patch.name} is applied and requires it; "
+                        f"revert {patch.name} first or pass --with-dependents"
+                    )
+                wanted.add(patch.name)
+                changed = True
+    return [p for p in reversed(patches) if p.name in wanted]
+
+
+def run_plan(tree: Tree, plan: list[Patch], reverse: bool) -> None:
+    """Stage every patch of the plan in memory, in order; raise on the first conflict."""
+    for patch in plan:
+        try:
+            tree.stage(patch, reverse)
+        except Conflict as e:
+            raise Refusal(f"{patch.name} is {CONFLICTING}: {e}") from e
+
+
+def print_table(target: Target, patches: list[Patch], states) -> None:
+    print(f"vLLM {target.version} ({target.kind}) at {target.root}")
+    width = max([len(p.name) for p in patches] + [5])
+    print(f"  {'PATCH':<{width}}  {'STATE':<11}  DETAIL")
+    for patch in patches:
+        state, detail = states[patch.name]
+        print(f"  {patch.name:<{width}}  {state:<11}  {detail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="patches.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_argument_group("target (one of)")
+    where.add_argument("--python", metavar="PY", help="interpreter whose installed vllm package is the target")
+    where.add_argument("--target", metavar="DIR", help="vLLM source tree, site-packages folder, or the vllm/ package")
+    common.add_argument(
+        "--patches-dir",
+        default=os.path.normpath(PATCHES_DIR),
+        help="folder with the series file and the patches (default: %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_status = sub.add_parser("status", parents=[common], help="report each patch: applied, not applied, conflicting")
+    p_status.add_argument("names", nargs="*", metavar="NAME", help="patches to report (default: all)")
+    p_status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_status.add_argument(
+        "--require-applied", action="store_true", help="exit 1 unless every selected patch is applied"
+    )
+    p_check = sub.add_parser("check", parents=[common], help="say whether `apply NAME...` would succeed; change nothing")
+    p_check.add_argument("names", nargs="*", metavar="NAME", help="patches to check (default: all)")
+    p_check.add_argument("--with-requires", action="store_true", help="as for apply")
+    p_apply = sub.add_parser("apply", parents=[common], help="apply patches (default: the whole series)")
+    p_apply.add_argument("names", nargs="*", metavar="NAME", help="e.g. ple-ssd, ple-ssd/0002, mtp-pruning")
+    p_apply.add_argument(
+        "--with-requires", action="store_true", help="also apply the prerequisites a patch names (default: refuse)"
+    )
+    p_apply.add_argument("--dry-run", action="store_true", help="check and report, change nothing")
+    p_revert = sub.add_parser("revert", parents=[common], help="revert applied patches, in reverse order")
+    p_revert.add_argument("names", nargs="*", metavar="NAME", help="patches to revert (default: all applied)")
+    p_revert.add_argument(
+        "--with-dependents", action="store_true", help="also revert applied patches that require them (default: refuse)"
+    )
+    p_revert.add_argument("--dry-run", action="store_true", help="check and report, change nothing")
+    sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
+    args = parser.parse_args(argv)
+
+    try:
+        patches = load_series(args.patches_dir)
+        if args.command == "list":
+            for patch in patches:
+                print(patch.name)
+                for key in ("description", "requires", "target", "activation"):
+                    value = ", ".join(patch.requires) if key == "requires" else patch.fields.get(key, "")
+                    first = value.splitlines()[0] if value else "none"
+                    print(f"    {key}: {first}")
+            return 0
+        target = find_target(args.target, args.python)
+        chosen = select(patches, args.names)
+        tree = Tree(target.root)
+        states = compute_states(tree, patches)
+
+        if args.command == "status":
+            if args.json:
+                record = {
+                    "target": dataclasses.asdict(target),
+                    "patches": [
+                        {"name": p.name, "state": states[p.name][0], "detail": states[p.name][1], "requires": p.requires}
+                        for p in chosen
+                    ],
+                }
+                print(json.dumps(record, indent=2))
+            else:
+                print_table(target, chosen, states)
+            if any(states[p.name][0] == CONFLICTING for p in chosen):
+                return 3
+            if args.require_applied and any(states[p.name][0] != APPLIED for p in chosen):
+                return 1
+            return 0
+
+        if args.command in ("apply", "check"):
+            plan = plan_apply(patches, chosen, states, args.with_requires)
+            run_plan(tree, plan, reverse=False)
+            if args.command == "check" or args.dry_run:
+                print(f"vLLM {target.version} ({target.kind}) at {target.root}")
+                for patch in plan:
+                    print(f"  would apply {patch.name}")
+                if not plan:
+                    print("  nothing to apply: every selected patch is already applied")
+                return 0
+            written = tree.commit()
+            for patch in plan:
+                print(f"applied {patch.name}")
+            if not plan:
+                print("nothing to apply: every selected patch is already applied")
+            print(f"{len(written)} file(s) changed under {target.root}")
+            return 0
+
+        if args.command == "revert":
+            if not args.names:
+                chosen = [p for p in patches if states[p.name][0] == APPLIED]
+            for patch in chosen:
+                if states[patch.name][0] == CONFLICTING:
+                    raise Refusal(f"{patch.name} is {CONFLICTING}: {states[patch.name][1]}")
+            plan = plan_revert(patches, chosen, states, args.with_dependents)
+            run_plan(tree, plan, reverse=True)
+            if args.dry_run:
+                for patch in plan:
+                    print(f"would revert {patch.name}")
+                return 0
+            written = tree.commit()
+            for patch in plan:
+                print(f"reverted {patch.name}")
+            if not plan:
+                print("nothing to revert: no selected patch is applied")
+            print(f"{len(written)} file(s) changed under {target.root}")
+            return 0
+    except ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Refusal as e:
+        print(f"error: {e}", file=sys.stderr)
+        print(f"vLLM {target.version} ({target.kind}) at {target.root}; nothing was changed", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
