@@ -409,9 +409,7 @@ def _version_of(root: str) -> str:
                 m = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", f.read(), re.M)
             if m:
                 return m.group(1)
-    for meta in sorted(glob.glob(os.path.join(root, "vllm*.dist-info", "METADATA"))) + [
-        os.path.join(root, "PKG-INFO")
-    ]:
+    for meta in sorted(glob.glob(os.path.join(root, "vllm*.dist-info", "METADATA"))) + [os.path.join(root, "PKG-INFO")]:
         if os.path.exists(meta):
             with open(meta, encoding="utf-8") as f:
                 m = re.search(r"^Version:\s*(\S+)", f.read(), re.M)
@@ -435,7 +433,9 @@ def find_target(target: str | None, python: str | None) -> Target:
         except OSError as e:
             raise ToolError(f"cannot run --python {python}: {e.strerror}") from e
         if proc.returncode != 0:
-            raise ToolError(f"--python {python}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}")
+            raise ToolError(
+                f"--python {python}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}"
+            )
         package_dir = proc.stdout.strip()
         root = os.path.dirname(package_dir)
         return Target(root, "installed package", _version_of(root))
@@ -446,9 +446,11 @@ def find_target(target: str | None, python: str | None) -> Target:
         path = os.path.dirname(path)
     if not os.path.isfile(os.path.join(path, "vllm", "__init__.py")):
         raise ToolError(f"--target {target}: no vllm/__init__.py there (expected a vLLM source tree or site-packages)")
-    kind = "source tree" if os.path.exists(os.path.join(path, "setup.py")) or os.path.exists(
-        os.path.join(path, "pyproject.toml")
-    ) else "installed package"
+    kind = (
+        "source tree"
+        if os.path.exists(os.path.join(path, "setup.py")) or os.path.exists(os.path.join(path, "pyproject.toml"))
+        else "installed package"
+    )
     return Target(path, kind, _version_of(path))
 
 
@@ -595,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     p_status.add_argument(
         "--require-applied", action="store_true", help="exit 1 unless every selected patch is applied"
     )
-    p_check = sub.add_parser("check", parents=[common], help="say whether `apply NAME...` would succeed; change nothing")
+    p_check = sub.add_parser(
+        "check", parents=[common], help="say whether `apply NAME...` would succeed; change nothing"
+    )
     p_check.add_argument("names", nargs="*", metavar="NAME", help="patches to check (default: all)")
     p_check.add_argument("--with-requires", action="store_true", help="as for apply")
     p_apply = sub.add_parser("apply", parents=[common], help="apply patches (default: the whole series)")
@@ -633,7 +637,12 @@ def main(argv: list[str] | None = None) -> int:
                 record = {
                     "target": dataclasses.asdict(target),
                     "patches": [
-                        {"name": p.name, "state": states[p.name][0], "detail": states[p.name][1], "requires": p.requires}
+                        {
+                            "name": p.name,
+                            "state": states[p.name][0],
+                            "detail": states[p.name][1],
+                            "requires": p.requires,
+                        }
                         for p in chosen
                     ],
                 }
