@@ -66,18 +66,17 @@ def fetch(version: str, dest: str) -> str:
     filename = f"vllm-{version}.tar.gz"
     tree = os.path.join(dest, f"vllm-{version}")
     stamp = os.path.join(dest, f".{filename}.sha256")
-    pinned = PINNED_SHA256.get(version)
+    expected = PINNED_SHA256.get(version)
+    if not expected:
+        raise SystemExit(f"error: no sha256 pinned for {filename}; add it to PINNED_SHA256 in {__file__}")
     if os.path.isdir(tree) and os.path.exists(stamp):
         with open(stamp) as f:
-            if not pinned or f.read().strip() == pinned:
+            if f.read().strip() == expected:
                 return tree
     os.makedirs(dest, exist_ok=True)
     url, listed = find_file("vllm", filename)
-    expected = pinned or listed
-    if not expected:
-        raise SystemExit(f"error: no sha256 known for {filename}; pin it in {__file__}")
-    if pinned and listed and listed != pinned:
-        raise SystemExit(f"error: the index lists sha256 {listed} for {filename}, pinned is {pinned}")
+    if listed and listed != expected:
+        raise SystemExit(f"error: the index lists sha256 {listed} for {filename}, expected {expected}")
     print(f"fetching {filename} ...", file=sys.stderr, flush=True)
     digest = hashlib.sha256()
     with tempfile.NamedTemporaryFile(dir=dest, delete=False) as tmp:

