@@ -1,0 +1,33 @@
+"""Fixtures of the mtp-pruning tests: a vLLM overlay with only mtp-pruning applied (the patch stands
+alone), the patch's machinery module loaded on its own, and keep-set files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_overlay import make_overlay
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+SCRIPTS = REPO / "scripts" / "mtp_pruning"
+DRAFT_VOCAB_MODULE = Path("vllm") / "v1" / "spec_decode" / "draft_vocab.py"
+
+
+@pytest.fixture(scope="session")
+def pruning_overlay(tmp_path_factory) -> Path:
+    """The installed vLLM with mtp-pruning alone applied, through scripts/patches.py."""
+    return make_overlay(tmp_path_factory.mktemp("vllm-mtp-pruning"), ["mtp-pruning"])
+
+
+@pytest.fixture(scope="session")
+def draft_vocab(pruning_overlay):
+    """The patch's machinery module, imported from the overlay by path: it needs only torch."""
+    spec = importlib.util.spec_from_file_location("draft_vocab_under_test", pruning_overlay / DRAFT_VOCAB_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclass-free, but keep the usual import invariant
+    spec.loader.exec_module(module)
+    return module

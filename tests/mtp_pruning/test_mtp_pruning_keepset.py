@@ -1,0 +1,86 @@
+"""The patch's machinery module (vllm/v1/spec_decode/draft_vocab.py) on its own: keep-set loading,
+every validation rule, and the maps between draft rows and target ids. It imports only torch, so
+it is loaded straight from the patched overlay without vLLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pruning_helpers import write_malformed_keepsets
+
+VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def malformed(tmp_path_factory):
+    return write_malformed_keepsets(tmp_path_factory.mktemp("malformed"), VOCAB)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float", "two_d", "empty", "unsorted", "duplicate", "negative", "out_of_range", "missing", "pickle", "object_npy"],
+)
+def test_malformed_keepset_is_refused_naming_file_and_rule(draft_vocab, malformed, case):
+    path, message = malformed[case]
+    with pytest.raises(draft_vocab.DraftVocabError) as info:
+        draft_vocab.load_keep_ids(str(path), VOCAB)
+    assert str(info.value).startswith(f"draft_vocab_path {path}: ")
+    assert message in str(info.value)
+
+
+def test_pickle_keepset_runs_no_code(draft_vocab, malformed):
+    path, _ = malformed["pickle"]
+    marker = path.parent / "CODE-RAN"
+    with pytest.raises(draft_vocab.DraftVocabError):
+        draft_vocab.load_keep_ids(str(path), VOCAB)
+    assert not marker.exists()
+    # The file is a real attack: unrestricted unpickling does run it.
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+
+
+def test_keepset_formats_load_to_the_same_int64_ids(draft_vocab, tmp_path):
+    from safetensors.torch import save_file
+
+    ids = [0, 3, 17, 4095]
+    torch.save(torch.tensor(ids, dtype=torch.int64), tmp_path / "keep.pt")
+    np.save(tmp_path / "keep.npy", np.array(ids, dtype=np.int32))
+    np.save(tmp_path / "keep-u16.npy", np.array(ids, dtype=np.uint16))
+    save_file({"keep_ids": torch.tensor(ids, dtype=torch.int64)}, str(tmp_path / "keep.safetensors"))
+    for name in ("keep.pt", "keep.npy", "keep-u16.npy", "keep.safetensors"):
+        loaded = draft_vocab.load_keep_ids(str(tmp_path / name), VOCAB)
+        assert loaded.dtype == torch.int64 and loaded.tolist() == ids, name
+
+
+def test_unknown_suffix_is_refused(draft_vocab, tmp_path):
+    path = tmp_path / "keep.json"
+    path.write_text("[1, 2, 3]")
+    with pytest.raises(draft_vocab.DraftVocabError, match="unsupported file type '.json'"):
+        draft_vocab.load_keep_ids(str(path), VOCAB)
+
+
+def test_d2t_offsets_map_draft_rows_to_target_ids(draft_vocab):
+    keep = torch.tensor([2, 5, 6, 100])
+    d2t = draft_vocab.draft_to_target_offsets(keep)
+    assert d2t.tolist() == [2, 4, 4, 97]
+    rows = torch.arange(4)
+    assert (rows + d2t[rows]).tolist() == keep.tolist()
+    vocab = draft_vocab.DraftVocab("keep.pt", keep, 128)
+    assert vocab.to_target_ids(torch.tensor([3, 0, 1])).tolist() == [100, 2, 5]
+    assert vocab.describe() == "MTP draft vocab pruned: 4 of 128 ids (3.12%), keep-set keep.pt"
+
+
+def test_expanded_logits_argmax_equals_mapped_draft_argmax(draft_vocab):
+    keep = torch.tensor([1, 7, 8, 30, 31, 63])
+    vocab = draft_vocab.DraftVocab("keep.pt", keep, 64)
+    draft_logits = torch.randn(5, keep.numel(), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    full = vocab.expand_logits(draft_logits)
+    assert full.shape == (5, 64) and full.dtype == torch.bfloat16
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[keep] = False
+    assert torch.isneginf(full[:, outside]).all()
+    assert torch.equal(full[:, keep], draft_logits)
+    assert torch.equal(full.argmax(-1), vocab.to_target_ids(draft_logits.argmax(-1)))
+    assert vocab.expand_logits(None) is None

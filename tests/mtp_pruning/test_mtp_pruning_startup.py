@@ -1,0 +1,106 @@
+"""A bad keep-set stops vLLM while the configuration is built, in seconds, before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from pruning_helpers import write_malformed_keepsets
+from vllm_overlay import vllm_env
+from vllm_server import VllmServer
+
+# Builds each speculative configuration the way `vllm serve` does (EngineArgs -> VllmConfig),
+# reporting the outcome per keep-set as one JSON line.
+CONFIG_PROBE = """
+import json, sys, time
+from vllm.engine.arg_utils import EngineArgs
+model, cases = sys.argv[1], json.loads(sys.argv[2])
+for name, path in cases.items():
+    t0 = time.monotonic()
+    try:
+        config = EngineArgs(
+            model=model, max_model_len=512, enable_prefix_caching=False,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_path": path},
+        ).create_engine_config()
+        spec = config.speculative_config
+        result = {"ok": True, "path": spec.draft_vocab_path, "local_argmax": spec.use_local_argmax_reduction}
+    except Exception as e:
+        result = {"ok": False, "error": str(e)}
+    result["seconds"] = time.monotonic() - t0
+    print("RESULT " + json.dumps({name: result}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def config_outcomes(tmp_path_factory, tiny_mtp_model, pruning_overlay):
+    folder = tmp_path_factory.mktemp("keepsets")
+    malformed = write_malformed_keepsets(folder, 4096)
+    good = folder / "good.npy"
+    import numpy as np
+
+    np.save(good, np.arange(0, 4096, 3, dtype=np.int64))
+    cases = {name: str(path) for name, (path, _) in malformed.items()}
+    cases["good"] = str(good)
+    proc = subprocess.run(
+        [sys.executable, "-c", CONFIG_PROBE, str(tiny_mtp_model), json.dumps(cases)],
+        env=vllm_env(pruning_overlay),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    outcomes = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            outcomes.update(json.loads(line[len("RESULT ") :]))
+    assert len(outcomes) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return outcomes, malformed, folder
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float", "two_d", "empty", "unsorted", "duplicate", "negative", "out_of_range", "missing", "pickle", "object_npy"],
+)
+def test_malformed_keepset_fails_config_with_its_message(config_outcomes, case):
+    outcomes, malformed, _ = config_outcomes
+    path, message = malformed[case]
+    outcome = outcomes[case]
+    assert not outcome["ok"]
+    assert f"draft_vocab_path {path}: " in outcome["error"]
+    assert message in outcome["error"]
+
+
+def test_pickle_keepset_code_never_ran_in_config(config_outcomes):
+    _, _, folder = config_outcomes
+    assert not (folder / "CODE-RAN").exists()
+
+
+def test_valid_keepset_passes_config_and_turns_on_local_argmax(config_outcomes):
+    outcomes, _, folder = config_outcomes
+    assert outcomes["good"]["ok"], outcomes["good"]
+    assert outcomes["good"]["path"] == str(folder / "good.npy")
+    assert outcomes["good"]["local_argmax"] is True
+
+
+@pytest.mark.slow
+def test_server_with_bad_keepset_exits_before_any_worker(tmp_path, tiny_mtp_model, pruning_overlay):
+    malformed = write_malformed_keepsets(tmp_path / "keepsets", 4096)
+    path, message = malformed["pickle"]
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_path": str(path)}
+    server = VllmServer(
+        tiny_mtp_model,
+        ["--speculative-config", json.dumps(spec), "--no-enable-prefix-caching"],
+        env=vllm_env(pruning_overlay),
+        log_path=tmp_path / "server.log",
+    )
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:  # ServerDied: the process exited during start-up
+        server.start(timeout=240)
+    elapsed = time.monotonic() - start
+    log = server.log_path.read_text()
+    assert message in log and str(path) in log, str(info.value)
+    assert "EngineCore" not in log  # no engine process, so no worker, was ever started
+    assert not (path.parent / "CODE-RAN").exists()
+    assert elapsed < 90, f"refusal took {elapsed:.0f} s"
