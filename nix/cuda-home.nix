@@ -1,0 +1,35 @@
+# A CUDA_HOME for FlashInfer's compiler (ahead of time and at run time), made from the CUDA
+# tree the pinned NVIDIA wheels install (nvcc, headers, libcudart of the same closure as torch),
+# with the two things wheels lack: the lib64 layout FlashInfer links from, and a libcuda stub.
+{
+  stdenv,
+  runCommand,
+  python,
+  wheelClosure,
+}:
+runCommand "cuda-home-from-wheels-${wheelClosure.version}"
+  {
+    nativeBuildInputs = [ stdenv.cc ];
+    passthru.nvcc = "bin/nvcc";
+  }
+  ''
+    tree=${wheelClosure}/${wheelClosure.cudaTree}
+    if [ ! -x "$tree/bin/nvcc" ]; then
+      echo "no nvcc in $tree: the wheel closure's CUDA layout changed" >&2
+      exit 1
+    fi
+    mkdir -p "$out/lib64/stubs"
+    for dir in bin include nvvm lib; do
+      ln -s "$tree/$dir" "$out/$dir"
+    done
+    for file in "$tree"/lib/*; do
+      ln -s "$file" "$out/lib64/"
+    done
+    # FlashInfer links with -L$CUDA_HOME/lib64 -lcudart -lcuda.
+    ln -s libcudart.so.13 "$out/lib64/libcudart.so"
+    # libcuda belongs to the host driver. Linking a shared object against an empty library
+    # with its soname records the dependency and leaves the symbols to the real driver at
+    # load time, as NVIDIA's own stubs do.
+    : > empty.c
+    cc -shared -Wl,-soname,libcuda.so.1 -o "$out/lib64/stubs/libcuda.so" empty.c
+  ''

@@ -1,0 +1,17 @@
+# Host NVIDIA driver discovery for apps run outside NixOS (DGX OS keeps libcuda.so.1 in
+# /usr/lib/aarch64-linux-gnu, which Nix-built programs never search).
+{
+  writeShellApplication,
+  coreutils,
+  findutils,
+  source,
+}:
+writeShellApplication {
+  name = "nvidia-driver-libs";
+  runtimeInputs = [
+    coreutils
+    findutils
+  ];
+  text = builtins.readFile ../scripts/nix/nvidia-driver-libs.sh;
+  passthru.script = "${source.scripts}/scripts/nix/nvidia-driver-libs.sh";
+}

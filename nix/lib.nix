@@ -1,0 +1,315 @@
+# Pure functions of the flake: builtins only, no nixpkgs, so that `nix-instantiate --eval`
+# can check them on a machine without nixpkgs (tests/nix/ does).
+let
+  inherit (builtins)
+    attrNames
+    concatStringsSep
+    elem
+    filter
+    foldl'
+    fromJSON
+    head
+    isString
+    length
+    listToAttrs
+    map
+    match
+    readFile
+    replaceStrings
+    split
+    throw
+    ;
+
+  trim =
+    text:
+    let
+      m = match "[[:space:]]*(.*[^[:space:]])?[[:space:]]*" text;
+    in
+    if m == null || head m == null then "" else head m;
+
+  lines = text: filter isString (split "\n" text);
+in
+rec {
+  # The target systems, the GB10 (DGX Spark, Grace + sm_121) first.
+  systems = [
+    "aarch64-linux"
+    "x86_64-linux"
+  ];
+
+  # CUDA capabilities built ahead of time when the user's nixpkgs config names none:
+  # GB10 is 12.1; x86_64 servers are Hopper (9.0) or Blackwell (10.0, 12.0).
+  defaultCudaCapabilities = {
+    aarch64-linux = [ "12.1" ];
+    x86_64-linux = [
+      "9.0"
+      "10.0"
+      "12.0"
+    ];
+  };
+
+  # ---------------------------------------------------------------------------------------
+  # The patch series
+
+  # The entries of `patches/series`, in apply order. Same rules as scripts/patches.py: `#`
+  # starts a comment anywhere on a line, surrounding white space is dropped, blank lines skipped.
+  parseSeries =
+    text:
+    filter (entry: entry != "") (
+      map (
+        line:
+        let
+          beforeComment = head (split "#" line);
+        in
+        trim beforeComment
+      ) (lines text)
+    );
+
+  # The optimization folder of a series entry ("ple-ssd/0001-x.patch" -> "ple-ssd").
+  seriesOptimization =
+    entry:
+    let
+      m = match "([^/]+)/[^/]+\\.patch" entry;
+    in
+    if m == null then
+      throw "patches/series: `${entry}` is not <optimization>/<NNNN-name>.patch"
+    else
+      head m;
+
+  # The series as paths (patchesDir is a path holding `series`), checked to exist.
+  seriesPatches =
+    patchesDir:
+    map (
+      entry:
+      let
+        file = patchesDir + "/${entry}";
+      in
+      if builtins.pathExists file then
+        assert seriesOptimization entry != "";
+        file
+      else
+        throw "patches/series lists ${entry}, which does not exist"
+    ) (parseSeries (readFile (patchesDir + "/series")));
+
+  # ---------------------------------------------------------------------------------------
+  # Wheel pins (nix/pins/<system>.json, written by scripts/nix/pin_wheels.py)
+
+  readPins =
+    pinsDir: system:
+    let
+      file = pinsDir + "/${system}.json";
+    in
+    if !(elem system systems) then
+      throw "magpie-vllm-plugins: no wheel pins for ${system}; supported: ${concatStringsSep ", " systems}"
+    else
+      fromJSON (readFile file);
+
+  # The file name fetchPypi rebuilds from its arguments (PEP 427 without a build tag).
+  wheelFileName =
+    args: "${args.pname}-${args.version}-${args.python}-${args.abi}-${args.platform}.whl";
+
+  # The arguments of nixpkgs' `fetchPypi` for one pinned wheel; refuses a pin whose recorded
+  # file name is not the one the arguments rebuild (the download would be another file).
+  pinToFetchPypiArgs =
+    pin:
+    let
+      args = pin.fetchPypi // {
+        inherit (pin) hash;
+      };
+    in
+    if wheelFileName args != pin.filename then
+      throw "pin ${pin.name}: fetchPypi arguments give ${wheelFileName args}, not ${pin.filename}"
+    else if args.format != "wheel" then
+      throw "pin ${pin.name}: format ${args.format}; only wheels are pinned"
+    else
+      args;
+
+  # Every pin except those named, as a list (sorted by name, as attrNames sorts).
+  pinList =
+    pins: except:
+    map (name: pins.wheels.${name}) (filter (name: !(elem name except)) (attrNames pins.wheels));
+
+  # Wheels that contain native code (their platform tag is not `any`): they go through
+  # autoPatchelf; pure-Python wheels do not need it.
+  isNativeWheel = pin: pin.fetchPypi.platform != "any";
+
+  # ---------------------------------------------------------------------------------------
+  # CUDA capabilities
+
+  # "12.1" -> "121"; refuses anything that is not MAJOR.MINOR.
+  capabilityDigits =
+    capability:
+    let
+      m = match "([0-9]+)\\.([0-9]+)" capability;
+    in
+    if m == null then
+      throw "CUDA capability `${capability}` is not MAJOR.MINOR (e.g. 12.1)"
+    else
+      concatStringsSep "" m;
+
+  # FlashInfer reads a space-separated list (FLASHINFER_CUDA_ARCH_LIST, "12.1 9.0"); torch's
+  # extension builder a semicolon-separated one (TORCH_CUDA_ARCH_LIST).
+  flashinferArchList =
+    capabilities:
+    assert length (map capabilityDigits capabilities) > 0;
+    concatStringsSep " " capabilities;
+  torchArchList =
+    capabilities:
+    assert length (map capabilityDigits capabilities) > 0;
+    concatStringsSep ";" capabilities;
+
+  # ---------------------------------------------------------------------------------------
+  # Apps: name -> the repository script it wraps and what it needs at run time.
+  #   interpreter: "bash" runs the script with bash; "python" with the patched vLLM
+  #     environment's Python (the tools import vLLM's dependencies: aiohttp, torch, ...).
+  #   gpu: the app starts vLLM on the GPU: it finds the host's NVIDIA driver and puts ninja,
+  #     nvcc and FlashInfer's cache where the JIT looks for them.
+  #   vllmPython: VLLM_PYTHON is set (if unset) to the patched environment's Python.
+  appTable = {
+    serve-flash-next = {
+      script = "scripts/flash_next/serve.sh";
+      interpreter = "bash";
+      gpu = true;
+      vllmPython = true;
+      description = "Serve Qwen3.8-Flash-Next with the patched vLLM (LOG [extra vLLM arguments])";
+    };
+    bench-suite = {
+      script = "scripts/flash_next/run_suite.sh";
+      interpreter = "bash";
+      gpu = true;
+      vllmPython = true;
+      description = "Run the Flash-Next benchmark suite against a patched vLLM server";
+    };
+    build-keepset = {
+      script = "scripts/mtp_pruning/build_keepset.py";
+      interpreter = "python";
+      gpu = false;
+      vllmPython = false;
+      description = "Build a draft-vocabulary keep-set for MTP head pruning from token counts";
+    };
+    count-tokens = {
+      script = "scripts/mtp_pruning/count_tokens.py";
+      interpreter = "python";
+      gpu = false;
+      vllmPython = false;
+      description = "Count generated token ids of a corpus for keep-set building";
+    };
+    memguard = {
+      script = "scripts/flash_next/memguard.py";
+      interpreter = "python";
+      gpu = false;
+      vllmPython = false;
+      description = "Stop a vLLM server (by PID) when available memory falls under a floor";
+    };
+    profile-capture = {
+      script = "scripts/flash_next/profile_capture.py";
+      interpreter = "python";
+      gpu = false;
+      vllmPython = false;
+      description = "Capture a torch profiler trace from a running vLLM server";
+    };
+    trace-split = {
+      script = "scripts/flash_next/trace_split.py";
+      interpreter = "python";
+      gpu = false;
+      vllmPython = false;
+      description = "Split a profiler trace into per-step GPU time by role";
+    };
+    report = {
+      script = "scripts/flash_next/report.py";
+      interpreter = "python";
+      gpu = false;
+      vllmPython = false;
+      description = "Render the benchmark results as a report";
+    };
+    patches = {
+      script = "scripts/patches.py";
+      interpreter = "python";
+      gpu = false;
+      vllmPython = false;
+      description = "Apply, check, revert the patch series on any vLLM 0.29.0 installation";
+    };
+  };
+
+  # The body of an app's wrapper (writeShellApplication adds the shebang and `set -euo
+  # pipefail`). All inputs are strings so tests can instantiate it with local paths:
+  #   src: the repository source; python: the patched environment's Python;
+  #   driverLibs: the host-driver discovery program (scripts/nix/nvidia-driver-libs.sh);
+  #   gpuEnv: extra `export` lines for GPU apps (CUDA_HOME, FlashInfer settings).
+  wrapperText =
+    {
+      name,
+      src,
+      python,
+      driverLibs,
+      gpuEnv ? "",
+    }:
+    let
+      app = appTable.${name} or (throw "no app named ${name}; apps: ${concatStringsSep ", " (attrNames appTable)}");
+      script = "${src}/${app.script}";
+      run =
+        if app.interpreter == "bash" then
+          ''exec bash "${script}" "$@"''
+        else if app.interpreter == "python" then
+          ''exec "${python}" "${script}" "$@"''
+        else
+          throw "app ${name}: unknown interpreter ${app.interpreter}";
+      vllmPythonLine = if app.vllmPython then ''export VLLM_PYTHON="''${VLLM_PYTHON:-${python}}"'' + "\n" else "";
+      gpuLines =
+        if app.gpu then
+          ''
+            # Nix-built programs do not read the host's ld.so cache: expose the driver's own
+            # libraries (and nothing else of the host) on the library path.
+            driver_dir=$("${driverLibs}")
+            export LD_LIBRARY_PATH="$driver_dir''${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            # Triton links its launchers against libcuda.so found here.
+            export TRITON_LIBCUDA_PATH="''${TRITON_LIBCUDA_PATH:-$driver_dir}"
+          ''
+          + gpuEnv
+        else
+          "";
+    in
+    ''
+      if [ ! -f "${script}" ]; then
+        echo "${name}: ${app.script} is not part of this build of magpie-vllm-plugins" >&2
+        exit 2
+      fi
+    ''
+    + vllmPythonLine
+    + gpuLines
+    + run
+    + "\n";
+
+  # The `apps` output from the wrapper derivations (name -> derivation with meta.mainProgram).
+  mkApps =
+    wrappers:
+    listToAttrs (
+      map (name: {
+        inherit name;
+        value = {
+          type = "app";
+          program = "${wrappers.${name}}/bin/${wrappers.${name}.meta.mainProgram}";
+          meta.description = appTable.${name}.description;
+        };
+      }) (attrNames wrappers)
+    );
+
+  # Environment of GPU apps for FlashInfer's JIT (values are shell words, defaults only).
+  gpuEnvText =
+    {
+      cudaHome,
+      capabilities,
+      cc,
+      cxx,
+    }:
+    ''
+      export CUDA_HOME="''${CUDA_HOME:-${cudaHome}}"
+      # nvcc's host compiler (FlashInfer passes $CC as -ccbin) and FlashInfer's C++ compiler.
+      export CC="''${CC:-${cc}}" CXX="''${CXX:-${cxx}}"
+      export FLASHINFER_CUDA_ARCH_LIST="''${FLASHINFER_CUDA_ARCH_LIST:-${flashinferArchList capabilities}}"
+      export TORCH_CUDA_ARCH_LIST="''${TORCH_CUDA_ARCH_LIST:-${torchArchList capabilities}}"
+      # FlashInfer keeps JIT-built kernels under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer;
+      # the first Flash-Next launch builds the sm_120-family fused-MoE kernel there (~5 min).
+      export FLASHINFER_WORKSPACE_BASE="''${FLASHINFER_WORKSPACE_BASE:-''${XDG_CACHE_HOME:-$HOME/.cache}/magpie-vllm-plugins}"
+      mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+    '';
+}

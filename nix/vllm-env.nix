@@ -1,0 +1,26 @@
+# The Python environment users run: the wheel closure, the patched vLLM and (unless turned
+# off) FlashInfer's ahead-of-time kernels. `bin/python` and `bin/vllm` see all of them.
+{
+  lib,
+  python,
+  wheelClosure,
+  vllm,
+  flashinferJitCache,
+  withFlashinferAot,
+  cudaCapabilities,
+}:
+(python.withPackages (
+  _:
+  [
+    wheelClosure
+    vllm
+  ]
+  ++ lib.optional (withFlashinferAot && cudaCapabilities != [ ]) flashinferJitCache
+)).overrideAttrs
+  (old: {
+    name = "vllm-${vllm.version}-magpie-env";
+    meta = (old.meta or { }) // {
+      description = "Python ${python.pythonVersion} with vLLM ${vllm.version} (patched), for CUDA ${lib.concatStringsSep ", " cudaCapabilities}";
+      mainProgram = "vllm";
+    };
+  })
