@@ -1,11 +1,14 @@
-# One wrapper per entry of magpieLib.appTable: it runs the repository script with the patched
-# environment's Python, and for GPU apps the host driver, nvcc, ninja and FlashInfer's cache.
+# One wrapper per entry of magpieLib.appTable: it runs the repository script with a plain
+# Python (standard-library tools, e.g. the patch tool for users whose vLLM is not this one) or
+# the patched environment's, and for GPU apps with the host driver, nvcc, ninja and
+# FlashInfer's cache. The wrapped scripts live in the filtered source (nix/source.nix).
 # flake.nix turns these derivations into `apps` with magpieLib.mkApps.
 {
   lib,
   writeShellApplication,
   ninja,
   gcc14,
+  python,
   magpieLib,
   source,
   env,
@@ -25,7 +28,8 @@ lib.mapAttrs (
     text = magpieLib.wrapperText {
       inherit name;
       src = "${source.scripts}";
-      python = "${env}/bin/python";
+      envPython = "${env}/bin/python";
+      stdlibPython = python.interpreter;
       driverLibs = lib.getExe nvidiaDriverLibs;
       gpuEnv = magpieLib.gpuEnvText {
         cudaHome = "${cudaHome}";

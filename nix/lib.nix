@@ -159,110 +159,128 @@ rec {
 
   # ---------------------------------------------------------------------------------------
   # Apps: name -> the repository script it wraps and what it needs at run time.
-  #   interpreter: "bash" runs the script with bash; "python" with the patched vLLM
-  #     environment's Python (the tools import vLLM's dependencies: aiohttp, torch, ...).
+  #   interpreter: "bash"; "stdlib-python" (a plain CPython: the script uses the standard library
+  #     only, so the app does not pull in the multi-GB vLLM environment); "env-python" (the
+  #     patched environment's Python: the script imports torch, transformers, numpy, ...).
   #   gpu: the app starts vLLM on the GPU: it finds the host's NVIDIA driver and puts ninja,
   #     nvcc and FlashInfer's cache where the JIT looks for them.
-  #   vllmPython: VLLM_PYTHON is set (if unset) to the patched environment's Python.
+  #   pythonVars: variables naming the Python the script runs its tools with, set if unset
+  #     ("env" or "stdlib"): serve.sh reads VLLM_PYTHON, run_suite.sh PYTHON.
   appTable = {
     serve-flash-next = {
       script = "scripts/flash_next/serve.sh";
       interpreter = "bash";
       gpu = true;
-      vllmPython = true;
+      pythonVars.VLLM_PYTHON = "env";
       description = "Serve Qwen3.8-Flash-Next with the patched vLLM (LOG [extra vLLM arguments])";
     };
     bench-suite = {
       script = "scripts/flash_next/run_suite.sh";
       interpreter = "bash";
-      gpu = true;
-      vllmPython = true;
-      description = "Run the Flash-Next benchmark suite against a patched vLLM server";
+      gpu = false;
+      pythonVars.PYTHON = "stdlib";
+      description = "Run the Flash-Next measurement suite (decode bench, GSM8K, metrics) against a server";
     };
     build-keepset = {
       script = "scripts/mtp_pruning/build_keepset.py";
-      interpreter = "python";
+      interpreter = "env-python";
       gpu = false;
-      vllmPython = false;
-      description = "Build a draft-vocabulary keep-set for MTP head pruning from token counts";
+      pythonVars = { };
+      description = "Build a draft-vocabulary keep-set for MTP draft-head pruning from token counts";
     };
     count-tokens = {
       script = "scripts/mtp_pruning/count_tokens.py";
-      interpreter = "python";
+      interpreter = "env-python";
       gpu = false;
-      vllmPython = false;
-      description = "Count generated token ids of a corpus for keep-set building";
+      pythonVars = { };
+      description = "Count the token ids of a corpus for keep-set building";
     };
     memguard = {
       script = "scripts/flash_next/memguard.py";
-      interpreter = "python";
+      interpreter = "stdlib-python";
       gpu = false;
-      vllmPython = false;
+      pythonVars = { };
       description = "Stop a vLLM server (by PID) when available memory falls under a floor";
     };
     profile-capture = {
       script = "scripts/flash_next/profile_capture.py";
-      interpreter = "python";
+      interpreter = "stdlib-python";
       gpu = false;
-      vllmPython = false;
+      pythonVars = { };
       description = "Capture a torch profiler trace from a running vLLM server";
     };
     trace-split = {
       script = "scripts/flash_next/trace_split.py";
-      interpreter = "python";
+      interpreter = "stdlib-python";
       gpu = false;
-      vllmPython = false;
+      pythonVars = { };
       description = "Split a profiler trace into per-step GPU time by role";
     };
     report = {
       script = "scripts/flash_next/report.py";
-      interpreter = "python";
+      interpreter = "stdlib-python";
       gpu = false;
-      vllmPython = false;
-      description = "Render the benchmark results as a report";
+      pythonVars = { };
+      description = "Render benchmark results as a report";
     };
     patches = {
       script = "scripts/patches.py";
-      interpreter = "python";
+      interpreter = "stdlib-python";
       gpu = false;
-      vllmPython = false;
+      pythonVars = { };
       description = "Apply, check, revert the patch series on any vLLM 0.29.0 installation";
     };
   };
 
   # The body of an app's wrapper (writeShellApplication adds the shebang and `set -euo
   # pipefail`). All inputs are strings so tests can instantiate it with local paths:
-  #   src: the repository source; python: the patched environment's Python;
-  #   driverLibs: the host-driver discovery program (scripts/nix/nvidia-driver-libs.sh);
-  #   gpuEnv: extra `export` lines for GPU apps (CUDA_HOME, FlashInfer settings).
+  #   src: the repository source; envPython: the patched environment's Python; stdlibPython:
+  #   a plain CPython; driverLibs: the host-driver discovery program
+  #   (scripts/nix/nvidia-driver-libs.sh); gpuEnv: extra lines for GPU apps (gpuEnvText).
   wrapperText =
     {
       name,
       src,
-      python,
+      envPython,
+      stdlibPython,
       driverLibs,
       gpuEnv ? "",
     }:
     let
       app = appTable.${name} or (throw "no app named ${name}; apps: ${concatStringsSep ", " (attrNames appTable)}");
       script = "${src}/${app.script}";
+      pythons = {
+        env = envPython;
+        stdlib = stdlibPython;
+      };
       run =
         if app.interpreter == "bash" then
           ''exec bash "${script}" "$@"''
-        else if app.interpreter == "python" then
-          ''exec "${python}" "${script}" "$@"''
+        else if app.interpreter == "env-python" then
+          ''exec "${envPython}" "${script}" "$@"''
+        else if app.interpreter == "stdlib-python" then
+          ''exec "${stdlibPython}" "${script}" "$@"''
         else
           throw "app ${name}: unknown interpreter ${app.interpreter}";
-      vllmPythonLine = if app.vllmPython then ''export VLLM_PYTHON="''${VLLM_PYTHON:-${python}}"'' + "\n" else "";
+      pythonLines = concatStringsSep "" (
+        map (
+          var: "export ${var}=\"\${${var}:-${pythons.${app.pythonVars.${var}}}}\"\n"
+        ) (attrNames app.pythonVars)
+      );
       gpuLines =
         if app.gpu then
           ''
             # Nix-built programs do not read the host's ld.so cache: expose the driver's own
-            # libraries (and nothing else of the host) on the library path.
-            driver_dir=$("${driverLibs}")
-            export LD_LIBRARY_PATH="$driver_dir''${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-            # Triton links its launchers against libcuda.so found here.
-            export TRITON_LIBCUDA_PATH="''${TRITON_LIBCUDA_PATH:-$driver_dir}"
+            # libraries (and nothing else of the host) on the library path. --help needs no GPU.
+            case "''${1:-}" in
+              -h | --help) ;;
+              *)
+                driver_dir=$("${driverLibs}")
+                export LD_LIBRARY_PATH="$driver_dir''${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+                # Triton links its launchers against the libcuda.so found here.
+                export TRITON_LIBCUDA_PATH="''${TRITON_LIBCUDA_PATH:-$driver_dir}"
+                ;;
+            esac
           ''
           + gpuEnv
         else
@@ -274,7 +292,7 @@ rec {
         exit 2
       fi
     ''
-    + vllmPythonLine
+    + pythonLines
     + gpuLines
     + run
     + "\n";
