@@ -146,16 +146,20 @@ rec {
     else
       concatStringsSep "" m;
 
+  # The list itself, after checking every entry (an empty list is refused too).
+  checkCapabilities =
+    capabilities:
+    if capabilities == [ ] then
+      throw "no CUDA capability given (e.g. [ \"12.1\" ])"
+    else if builtins.all (capability: capabilityDigits capability != "") capabilities then
+      capabilities
+    else
+      throw "unreachable";
+
   # FlashInfer reads a space-separated list (FLASHINFER_CUDA_ARCH_LIST, "12.1 9.0"); torch's
   # extension builder a semicolon-separated one (TORCH_CUDA_ARCH_LIST).
-  flashinferArchList =
-    capabilities:
-    assert length (map capabilityDigits capabilities) > 0;
-    concatStringsSep " " capabilities;
-  torchArchList =
-    capabilities:
-    assert length (map capabilityDigits capabilities) > 0;
-    concatStringsSep ";" capabilities;
+  flashinferArchList = capabilities: concatStringsSep " " (checkCapabilities capabilities);
+  torchArchList = capabilities: concatStringsSep ";" (checkCapabilities capabilities);
 
   # ---------------------------------------------------------------------------------------
   # Apps: name -> the repository script it wraps and what it needs at run time.

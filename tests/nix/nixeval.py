@@ -1,0 +1,34 @@
+"""Evaluate Nix expressions with `nix-instantiate` (Debian's nix-bin here; no nixpkgs needed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def nix_instantiate() -> str:
+    path = shutil.which("nix-instantiate")
+    if path is None:
+        raise RuntimeError("nix-instantiate is missing: run tests/env/setup_nix.sh (tests/run.sh does)")
+    return path
+
+
+def nix_eval(body: str, **strings: str):
+    """Evaluate `body` with `lib` (nix/lib.nix), `repo` (a path) and each keyword as a string."""
+    names = ", ".join(["repoDir", *strings])
+    expr = f'{{ {names} }}: let repo = /. + repoDir; lib = import (repo + "/nix/lib.nix"); in {body}'
+    args = [nix_instantiate(), "--eval", "--strict", "--json", "--argstr", "repoDir", str(REPO)]
+    for name, value in strings.items():
+        args += ["--argstr", name, value]
+    out = subprocess.run([*args, "-E", expr], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise NixError(out.stderr)
+    return json.loads(out.stdout)
+
+
+class NixError(Exception):
+    pass

@@ -1,0 +1,166 @@
+"""flake.lock against flake.nix, and the wheel pins against the requirements files, the patch
+series and the pin generator's own check against the registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from nixeval import REPO, nix_eval
+
+SYSTEMS = ["aarch64-linux", "x86_64-linux"]
+# Public facts (shared/FACTS.md, "Pins known to be real").
+NIXPKGS_REV = "567a49d1913ce81ac6e9582e3553dd90a955875f"
+NIXPKGS_NAR_HASH = "sha256-lrp67w8AulE9Ks53n27I45ADSzbOCn4H+CNW1Ck8B+8="
+NIXPKGS_LAST_MODIFIED = 1781577229
+VLLM_WHEEL_SHA256 = {
+    "aarch64-linux": "e6b0dfc2b6fd307315e9b34b73cd2bfe7b6b08958eda721828e61732bba426b0",
+    "x86_64-linux": "09d48617fc2be9c6cdcd5db480651ab0d84817b257204f2cc2e3ecbb70bbb635",
+}
+TOOLS_PYTHON = REPO / ".cache" / "nix-tools" / "bin" / "python"
+
+
+def load_pins(system: str) -> dict:
+    return json.loads((REPO / "nix" / "pins" / f"{system}.json").read_text())
+
+
+def test_flake_lock_is_version_7_and_locks_exactly_the_flake_inputs():
+    lock = json.loads((REPO / "flake.lock").read_text())
+    assert lock["version"] == 7 and lock["root"] == "root"
+    inputs = nix_eval('builtins.mapAttrs (_: i: i.url) (import (repo + "/flake.nix")).inputs')
+    assert inputs == {"nixpkgs": "github:NixOS/nixpkgs/nixos-unstable"}
+    outputs_args = nix_eval('builtins.functionArgs (import (repo + "/flake.nix")).outputs')
+    assert set(outputs_args) == {"self", *inputs}
+    assert lock["nodes"]["root"] == {"inputs": {name: name for name in inputs}}
+    assert set(lock["nodes"]) == {"root", *inputs}
+    node = lock["nodes"]["nixpkgs"]
+    assert node["original"] == {"owner": "NixOS", "repo": "nixpkgs", "ref": "nixos-unstable", "type": "github"}
+    assert node["locked"] == {
+        "lastModified": NIXPKGS_LAST_MODIFIED,
+        "narHash": NIXPKGS_NAR_HASH,
+        "owner": "NixOS",
+        "repo": "nixpkgs",
+        "rev": NIXPKGS_REV,
+        "type": "github",
+    }
+
+
+def test_flake_systems_put_the_gb10_first():
+    assert nix_eval("lib.systems") == SYSTEMS
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_vllm_wheel_pin_is_the_published_one(system):
+    vllm = load_pins(system)["wheels"]["vllm"]
+    machine = system.split("-")[0]
+    assert vllm["version"] == "0.29.0"
+    assert vllm["filename"] == f"vllm-0.29.0-cp38-abi3-manylinux_2_28_{machine}.whl"
+    assert vllm["sha256"] == VLLM_WHEEL_SHA256[system]
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_requirements_file_is_the_same_set_as_the_pins(system):
+    pins = load_pins(system)
+    text = (REPO / "requirements" / f"{system}.txt").read_text()
+    pairs = re.findall(r"^([A-Za-z0-9._-]+)==(\S+) \\\n    --hash=sha256:([0-9a-f]{64})$", text, re.M)
+    assert len(pairs) == len(pins["wheels"])
+    assert {name: (version, sha) for name, version, sha in pairs} == {
+        name: (w["version"], w["sha256"]) for name, w in pins["wheels"].items()
+    }
+    requirement_lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(requirement_lines) == 2 * len(pairs)
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_pins_hold_no_address(system):
+    for path in (REPO / "nix" / "pins" / f"{system}.json", REPO / "requirements" / f"{system}.txt"):
+        assert "://" not in path.read_text(), path
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_pins_form_one_closure_of_vllm(system):
+    pins = load_pins(system)
+    wheels = pins["wheels"]
+    assert pins["root"] == "vllm" and pins["requirement"] == "vllm==0.29.0"
+    assert pins["marker_environment"]["platform_machine"] == system.split("-")[0]
+    reached, todo = set(), ["vllm"]
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        assert set(wheels[name]["requires"]) <= set(wheels), name
+        todo += wheels[name]["requires"]
+    assert reached == set(wheels)
+    assert "torch" in wheels["vllm"]["requires"]
+
+
+def test_pins_python_is_the_overlays_python():
+    versions = {load_pins(system)["python"] for system in SYSTEMS}
+    assert versions == {"3.12"}
+    overlay = (REPO / "nix" / "overlay.nix").read_text()
+    assert "python = final.python312;" in overlay
+    for system in SYSTEMS:
+        for wheel in load_pins(system)["wheels"].values():
+            assert runs_on_cpython_312(wheel["fetchPypi"]["python"], wheel["fetchPypi"]["abi"]), wheel["filename"]
+
+
+def runs_on_cpython_312(python_tags: str, abi_tags: str) -> bool:
+    """Whether a wheel's (possibly compressed) python and abi tags accept CPython 3.12."""
+    for python in python_tags.split("."):
+        for abi in abi_tags.split("."):
+            if python in {"py3", "py312", "cp312"} and abi in {"none", "cp312", "abi3"}:
+                return True
+            m = re.fullmatch(r"cp3(\d+)", python)
+            if m and abi == "abi3" and int(m.group(1)) <= 12:
+                return True
+    return False
+
+
+def test_every_patch_in_the_series_targets_the_pinned_vllm():
+    series = nix_eval('map toString (lib.seriesPatches (repo + "/patches"))')
+    for path in series:
+        header = Path(path).read_text().split("\ndiff --git", 1)[0]
+        target = re.search(r"^Target: (.+)$", header, re.M)
+        assert target and target.group(1).strip() == "vllm 0.29.0", path
+    for system in SYSTEMS:
+        assert load_pins(system)["wheels"]["vllm"]["version"] == "0.29.0"
+
+
+def _registry_reachable() -> str | None:
+    """None when pip can reach the package index, else the reason."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in {"PIP_CERT", "PIP_INDEX_URL"}}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    try:
+        out = subprocess.run(
+            [str(TOOLS_PYTHON), "-m", "pip", "index", "versions", "pip", "--retries", "1", "--timeout", "15"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        return "pip could not reach the package index within 60 s"
+    return None if out.returncode == 0 else f"pip could not reach the package index: {out.stderr.strip()[-300:]}"
+
+
+def test_pin_generator_check_passes_against_the_registry():
+    """Regenerates both systems' pins from the registry (about a minute) and compares."""
+    if not TOOLS_PYTHON.exists():
+        pytest.fail(f"{TOOLS_PYTHON} is missing: run tests/env/setup_nix.sh (tests/run.sh does)")
+    reason = _registry_reachable()
+    if reason:
+        pytest.skip(f"registry unreachable, the pins cannot be re-resolved: {reason}")
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "nix" / "pin_wheels.py"), "--check", "--pip-python", str(TOOLS_PYTHON)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "pins are current" in out.stdout

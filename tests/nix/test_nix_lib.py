@@ -1,0 +1,156 @@
+"""The flake's pure functions (nix/lib.nix), evaluated by Nix itself against expected values."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+
+import pytest
+from nixeval import REPO, NixError, nix_eval, nix_instantiate
+
+SYSTEMS = ["aarch64-linux", "x86_64-linux"]
+
+
+def tracked(pattern: str) -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", pattern],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [line for line in out.stdout.splitlines() if (REPO / line).exists()]
+
+
+def python_series(text: str) -> list[str]:
+    """scripts/patches.py's reading of patches/series (load_series), for comparison."""
+    return [entry for entry in (raw.split("#", 1)[0].strip() for raw in text.splitlines()) if entry]
+
+
+def test_every_nix_file_parses():
+    files = tracked("*.nix")
+    assert "flake.nix" in files and "nix/lib.nix" in files
+    for name in files:
+        out = subprocess.run([nix_instantiate(), "--parse", name], cwd=REPO, capture_output=True, text=True)
+        assert out.returncode == 0, f"{name}: {out.stderr}"
+
+
+SERIES_TEXTS = [
+    "",
+    "# only a comment\n\n",
+    "ple-ssd/0001-mmap-ngram-table.patch\nple-ssd/0002-full-graphs.patch\n",
+    "  ple-ssd/0001-a.patch   # trailing comment\n\tmtp-pruning/0001-b.patch\n#ple-ssd/0003-off.patch\n",
+    "mtp-pruning/0001-b.patch#no space before the comment\n   \n\n",
+]
+
+
+@pytest.mark.parametrize("text", SERIES_TEXTS)
+def test_series_parsing_matches_the_patch_tool(text):
+    assert nix_eval("lib.parseSeries text", text=text) == python_series(text)
+
+
+def test_series_of_the_repository_matches_the_patch_tool():
+    text = (REPO / "patches" / "series").read_text()
+    entries = nix_eval('map toString (lib.seriesPatches (repo + "/patches"))')
+    assert entries == [str(REPO / "patches" / e) for e in python_series(text)]
+
+
+def test_series_listing_a_missing_patch_is_refused(tmp_path):
+    (tmp_path / "series").write_text("ple-ssd/0001-missing.patch\n")
+    with pytest.raises(NixError, match="lists ple-ssd/0001-missing.patch, which does not exist"):
+        nix_eval("lib.seriesPatches (/. + dir)", dir=str(tmp_path))
+
+
+def test_series_entry_outside_an_optimization_folder_is_refused():
+    assert nix_eval('lib.seriesOptimization "mtp-pruning/0001-x.patch"') == "mtp-pruning"
+    with pytest.raises(NixError, match="is not <optimization>/<NNNN-name>.patch"):
+        nix_eval('lib.seriesOptimization "0001-x.patch"')
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_every_pin_rebuilds_its_file_name_and_hash(system):
+    pins = json.loads((REPO / "nix" / "pins" / f"{system}.json").read_text())
+    args = nix_eval(
+        'builtins.mapAttrs (_: lib.pinToFetchPypiArgs) (lib.readPins (repo + "/nix/pins") system).wheels', system=system
+    )
+    assert set(args) == set(pins["wheels"])
+    for name, fetch in args.items():
+        pin = pins["wheels"][name]
+        assert (
+            f"{fetch['pname']}-{fetch['version']}-{fetch['python']}-{fetch['abi']}-{fetch['platform']}.whl"
+            == pin["filename"]
+        )
+        assert fetch["hash"] == "sha256-" + base64.b64encode(bytes.fromhex(pin["sha256"])).decode()
+        assert fetch["format"] == "wheel" and fetch["dist"] == fetch["python"]
+        assert set(fetch) == {"pname", "version", "format", "dist", "python", "abi", "platform", "hash"}
+
+
+def test_a_pin_whose_arguments_name_another_file_is_refused():
+    with pytest.raises(NixError, match="fetchPypi arguments give torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl"):
+        nix_eval(
+            'let pin = (lib.readPins (repo + "/nix/pins") "x86_64-linux").wheels.torch; '
+            'in lib.pinToFetchPypiArgs (pin // { filename = "torch-2.13.0-cp312-cp312-manylinux_2_17_x86_64.whl"; })'
+        )
+
+
+def test_pins_for_an_unsupported_system_are_refused():
+    with pytest.raises(NixError, match="no wheel pins for aarch64-darwin; supported: aarch64-linux, x86_64-linux"):
+        nix_eval('lib.readPins (repo + "/nix/pins") "aarch64-darwin"')
+
+
+def test_pin_list_leaves_out_the_root():
+    names = nix_eval('map (p: p.name) (lib.pinList (lib.readPins (repo + "/nix/pins") "aarch64-linux") [ "vllm" ])')
+    pins = json.loads((REPO / "nix" / "pins" / "aarch64-linux.json").read_text())
+    assert names == sorted(set(pins["wheels"]) - {"vllm"})
+
+
+def test_cuda_capabilities():
+    assert nix_eval('lib.flashinferArchList [ "9.0" "10.0" "12.0" ]') == "9.0 10.0 12.0"
+    assert nix_eval('lib.torchArchList [ "9.0" "12.0" ]') == "9.0;12.0"
+    defaults = nix_eval("lib.defaultCudaCapabilities")
+    assert defaults == {"aarch64-linux": ["12.1"], "x86_64-linux": ["9.0", "10.0", "12.0"]}
+    with pytest.raises(NixError, match="CUDA capability `sm_121` is not MAJOR.MINOR"):
+        nix_eval('lib.flashinferArchList [ "sm_121" ]')
+
+
+EXPECTED_APPS = {
+    "serve-flash-next": "scripts/flash_next/serve.sh",
+    "bench-suite": "scripts/flash_next/run_suite.sh",
+    "build-keepset": "scripts/mtp_pruning/build_keepset.py",
+    "count-tokens": "scripts/mtp_pruning/count_tokens.py",
+    "memguard": "scripts/flash_next/memguard.py",
+    "profile-capture": "scripts/flash_next/profile_capture.py",
+    "trace-split": "scripts/flash_next/trace_split.py",
+    "report": "scripts/flash_next/report.py",
+    "patches": "scripts/patches.py",
+}
+
+
+def test_app_table_names_each_script():
+    table = nix_eval("lib.appTable")
+    assert {name: app["script"] for name, app in table.items()} == EXPECTED_APPS
+    assert {name for name, app in table.items() if app["gpu"]} == {"serve-flash-next"}
+
+
+def test_apps_output_points_at_each_wrappers_main_program():
+    apps = nix_eval(
+        'lib.mkApps (builtins.mapAttrs (name: _: { outPath = "/nix/store/fake-${name}"; '
+        "meta.mainProgram = name; }) lib.appTable)"
+    )
+    assert set(apps) == set(EXPECTED_APPS)
+    for name, app in apps.items():
+        assert app["type"] == "app"
+        assert app["program"] == f"/nix/store/fake-{name}/bin/{name}"
+        assert app["meta"]["description"]
+
+
+def test_unknown_app_is_refused():
+    call = 'lib.wrapperText { name = "serve"; src = "/s"; envPython = "p"; stdlibPython = "q"; driverLibs = "d"; }'
+    with pytest.raises(NixError, match="no app named serve; apps: "):
+        nix_eval(call)
+
+
+def test_empty_capability_list_is_refused():
+    with pytest.raises(NixError, match="no CUDA capability given"):
+        nix_eval("lib.torchArchList [ ]")
