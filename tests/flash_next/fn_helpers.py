@@ -1,0 +1,105 @@
+"""Helpers for the Flash-Next tool tests: paths, running a tool, a real server launched by serve.sh."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+REPO = TESTS.parent
+TOOLS = REPO / "scripts" / "flash_next"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+sys.path.insert(0, str(TOOLS))
+sys.path.insert(0, str(TESTS))
+
+from vllm_overlay import vllm_env  # noqa: E402
+from vllm_server import free_port  # noqa: E402
+
+PYTHON = sys.executable  # the test venv's interpreter, which has the CPU build of vLLM
+
+
+def run_tool(name: str, *args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Run scripts/flash_next/NAME the way a user does, in a subprocess."""
+    return subprocess.run(
+        [PYTHON, str(TOOLS / name), *args], capture_output=True, text=True, timeout=timeout, check=False, **kwargs
+    )
+
+
+class ServeSh:
+    """serve.sh LOG [args] in its own session; waits for /health; stops it with SIGTERM like a user."""
+
+    def __init__(self, log_path: Path, model: Path, overlay: Path | None, settings: dict[str, str], extra_args=()):
+        self.log_path = Path(log_path)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pid_file = Path(str(log_path) + ".pid")
+        self.env = vllm_env(
+            overlay,
+            MODEL=str(model),
+            VLLM_PYTHON=PYTHON,
+            PORT=str(self.port),
+            MAX_MODEL_LEN="2048",
+            PLE="0",
+            **settings,
+        )
+        self.cmd = ["bash", str(TOOLS / "serve.sh"), str(self.log_path), *extra_args]
+        self.proc: subprocess.Popen | None = None
+        self.started_server_pid: int | None = None
+        self.stderr_path = self.log_path.with_suffix(".serve-sh.err")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def server_pid(self) -> int:
+        return int(self.pid_file.read_text())
+
+    def start(self, timeout: float = 600) -> ServeSh:
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=err, stderr=err, start_new_session=True)
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"serve.sh exited with {self.proc.returncode}; stderr: {self.stderr_path.read_text()}\n"
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        self.started_server_pid = self.server_pid
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout} s; log:\n{self.log_tail()}")
+
+    def stop(self, grace: float = 60) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # serve.sh forwards it to the server's process group
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left (a failed test may leave a stuck server): by the PIDs we started, never by name.
+        for pgid in (self.started_server_pid, self.proc.pid):
+            if pgid:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
+        return self.proc.returncode
