@@ -114,10 +114,15 @@ def runs_on_cpython_312(python_tags: str, abi_tags: str) -> bool:
     """Whether a wheel's (possibly compressed) python and abi tags accept CPython 3.12."""
     for python in python_tags.split("."):
         for abi in abi_tags.split("."):
-            if python in {"py3", "py312", "cp312"} and abi in {"none", "cp312", "abi3"}:
+            if python == "cp312" and abi in {"none", "cp312", "abi3"}:
                 return True
-            m = re.fullmatch(r"cp3(\d+)", python)
-            if m and abi == "abi3" and int(m.group(1)) <= 12:
+            if python == "py3" and abi == "none":
+                return True
+            generic = re.fullmatch(r"py3(\d+)", python)  # any CPython from 3.N on
+            if generic and abi == "none" and int(generic.group(1)) <= 12:
+                return True
+            stable = re.fullmatch(r"cp3(\d+)", python)  # the stable ABI from 3.N on
+            if stable and abi == "abi3" and int(stable.group(1)) <= 12:
                 return True
     return False
 
