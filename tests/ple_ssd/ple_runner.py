@@ -84,7 +84,6 @@ def build_layer(vllm_config, load=True):
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.utils import AutoWeightsLoader
     from vllm.models.qwen4_exp.nvidia.ple_layer import Qwen4ExpPLELayer
-
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = vllm_config.model_config.hf_text_config
@@ -148,9 +147,11 @@ def cmd_forward(args) -> dict:
         init_distributed(vllm_config, args.tp_rank, args.tp_size, args.port)
         layer = build_layer(vllm_config)
         table = layer.ple_embedding.ngram_embedding
+        if args.fault_seconds is not None:
+            table.fault_seconds = args.fault_seconds
         if args.direct_copy_max_rows is not None:
             table.direct_copy_max_rows = args.direct_copy_max_rows
-            table.rows_per_task = 257  # several pool tasks per gather view
+            table.min_rows_per_task = 64  # several pool tasks per gather view
         config = vllm_config.model_config.hf_text_config
         steps = make_steps(args.seed, config.vocab_size, config.eos_token_id, 1024)
         generator = torch.Generator().manual_seed(args.seed)
@@ -311,6 +312,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ple-mmap", action="store_true")
     parser.add_argument("--stage", action="store_true", help="stage rows before each forward (patch 0002)")
     parser.add_argument("--direct-copy-max-rows", type=int, default=None)
+    parser.add_argument("--fault-seconds", type=float, default=None, help="0: memmove over the pool")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1)
