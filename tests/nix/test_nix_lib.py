@@ -13,13 +13,16 @@ SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 
 
 def tracked(pattern: str) -> list[str]:
+    """Files matching `pattern` that git knows (or would add); every match outside a git checkout
+    (the Nix build sandbox gets a plain copy of the source)."""
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", pattern],
         cwd=REPO,
         capture_output=True,
         text=True,
-        check=True,
     )
+    if out.returncode != 0:
+        return sorted(str(p.relative_to(REPO)) for p in REPO.rglob(pattern) if ".cache" not in p.parts)
     return [line for line in out.stdout.splitlines() if (REPO / line).exists()]
 
 
