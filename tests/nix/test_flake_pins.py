@@ -87,6 +87,7 @@ def test_pins_form_one_closure_of_vllm(system):
     pins = load_pins(system)
     wheels = pins["wheels"]
     assert pins["root"] == "vllm" and pins["requirement"] == "vllm==0.29.0"
+    assert pins["extra_requirements"] == ["cuda-toolkit[nvcc]==13.0.3"]
     assert pins["marker_environment"]["platform_machine"] == system.split("-")[0]
     reached, todo = set(), ["vllm"]
     while todo:
@@ -169,3 +170,15 @@ def test_pin_generator_check_passes_against_the_registry():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "pins are current" in out.stdout
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_cuda_compiler_matches_the_cuda_runtime_headers(system):
+    """CCCL refuses to compile when nvcc's version differs from the runtime headers' (13.5 vs 13.0
+    once broke FlashInfer's JIT); cuda-home.nix builds CUDA_HOME from exactly these wheels."""
+    wheels = load_pins(system)["wheels"]
+    major_minor = {
+        name: ".".join(wheels[name]["version"].split(".")[:2])
+        for name in ["nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime"]
+    }
+    assert set(major_minor.values()) == {"13.0"}, major_minor
