@@ -18,10 +18,18 @@ runCommand "cuda-home-from-wheels-${wheelClosure.version}"
       echo "no nvcc in $tree: the wheel closure's CUDA layout changed" >&2
       exit 1
     fi
-    mkdir -p "$out/lib64/stubs"
-    for dir in bin include nvvm lib; do
+    mkdir -p "$out/bin" "$out/lib64/stubs"
+    for dir in include nvvm lib; do
       ln -s "$tree/$dir" "$out/$dir"
     done
+    # nvcc finds its profile, and through it lib64 (-lcudadevrt -lcudart_static), next to its
+    # resolved own path: a copy makes that path this folder (a link would point into the wheel
+    # tree, which has lib/ only; measured: "cannot find -lcudadevrt").
+    for file in "$tree"/bin/*; do
+      ln -s "$file" "$out/bin/"
+    done
+    rm "$out/bin/nvcc" "$out/bin/nvcc.profile"
+    cp "$tree/bin/nvcc" "$tree/bin/nvcc.profile" "$out/bin/"
     for file in "$tree"/lib/*; do
       ln -s "$file" "$out/lib64/"
     done

@@ -33,6 +33,8 @@ python.pkgs.toPythonModule (
 
     nativeBuildInputs = [
       buildPython
+      # Kernel generators also call `nvcc` from PATH (or $CUDA_PATH/bin) directly.
+      cudaHome
       gcc14
       ninja
       autoPatchelfHook
@@ -40,6 +42,7 @@ python.pkgs.toPythonModule (
 
     env = {
       CUDA_HOME = "${cudaHome}";
+      CUDA_PATH = "${cudaHome}";
       CC = "${gcc14}/bin/gcc";
       CXX = "${gcc14}/bin/g++";
       FLASHINFER_CUDA_ARCH_LIST = magpieLib.flashinferArchList cudaCapabilities;
