@@ -52,10 +52,17 @@ PATTERNS = {
         r"keep-set (?P<path>\S+)"
     ),
     "pruned_in_use": re.compile(r"MTP draft vocab pruned head in use: (?P<detail>.*)"),
-    # The ple-ssd patch's acknowledgement that the table is served from the mmap'd checkpoint: set to
-    # that patch's log line once the patch is in the series (until then ple_mmap reads "requested,
-    # not confirmed" whenever it is asked for).
-    "ple_active": None,
+    # The ple-ssd patches (vllm/models/qwen4_exp/): the config hook, then one line per table loaded.
+    # 0001 alone gathers rows inside the forward (a splitting op, PIECEWISE graphs); with 0002 the rows
+    # are staged before the forward. Either way the table line says it is served from the mappings.
+    "ple_hook": re.compile(
+        r"ple_mmap: the PLE n-gram table stays in the checkpoint's memory mappings.*cudagraph_mode (?P<mode>\w+)"
+    ),
+    "ple_active": re.compile(
+        r"ple_mmap: (?P<table>\S+) served from the checkpoint's memory mappings \((?P<desc>.*)\), MADV_RANDOM; "
+        r"(?P<how>rows gathered per step by the custom op|rows staged before each forward)"
+    ),
+    "ple_staging": re.compile(r"ple_mmap: Qwen4ExpModelState\.prepare_inputs stages PLE rows for (?P<n>\d+) layer"),
     # Memory and start-up.
     "weights": re.compile(r"Model loading took (?P<gib>[\d.]+) GiB memory and (?P<s>[\d.]+) seconds"),
     "kv_memory": re.compile(r"Available KV cache memory: (?P<gib>[\d.]+) GiB"),
@@ -82,7 +89,7 @@ def check(lines: list[str]) -> dict:
     found: dict[str, list[tuple[int, re.Match]]] = {name: [] for name in PATTERNS}
     for number, line in enumerate(lines, 1):
         for name, regex in PATTERNS.items():
-            match = regex.search(line) if regex is not None else None
+            match = regex.search(line)
             if match:
                 found[name].append((number, match))
 
@@ -140,16 +147,26 @@ def check(lines: list[str]) -> dict:
 
     # ple_mmap
     asked_number, asked = first("hf_overrides_ple")
-    active_number, _ = first("ple_active")
-    if asked is not None and asked.group("on") == "True":
-        if active_number:
-            features["ple_mmap"] = {"state": "on", "evidence": [evidence(asked_number), evidence(active_number)]}
-        else:
-            features["ple_mmap"] = {
-                "state": "requested, not confirmed",
-                "evidence": [evidence(asked_number)],
-                "note": "ple_mmap was asked for, but no line of the ple-ssd patch confirms the table is on disk",
-            }
+    active_number, active = first("ple_active")
+    hook_number, _ = first("ple_hook")
+    staging_number, _ = first("ple_staging")
+    if active is not None:
+        staged = active.group("how").startswith("rows staged")
+        features["ple_mmap"] = {
+            "state": "on",
+            "tables": len(found["ple_active"]),
+            "rows": "staged before the forward (ple-ssd 0002)"
+            if staged
+            else "gathered inside the forward by a custom op (ple-ssd 0001 only; PIECEWISE graphs)",
+            "evidence": [evidence(n) for n in (asked_number, hook_number, active_number, staging_number) if n],
+        }
+    elif asked is not None and asked.group("on") == "True":
+        features["ple_mmap"] = {
+            "state": "requested, not confirmed",
+            "evidence": [evidence(n) for n in (asked_number, hook_number) if n],
+            "note": "ple_mmap was asked for, but no table line of the ple-ssd patch says the table is served "
+            "from the checkpoint's mappings (not applied, or the server stopped before loading)",
+        }
     else:
         features["ple_mmap"] = {"state": "off", "evidence": evidence(asked_number)}
 

@@ -8,6 +8,10 @@ under a threshold, stops the server it was given, by PID: SIGTERM to the server'
 processes up by name, and it exits as soon as its server exits.
 
     scripts/flash_next/memguard.py watch --pid 12345 --min-available 6GiB --log server.log
+    scripts/flash_next/memguard.py run --min-available 6GiB -- ray start --address=HEAD:6379 --block
+
+`run` starts the command in a session of its own and guards it; it forwards SIGINT and SIGTERM
+to it and exits with its status.
 
 Polling can be too slow for a start-up spike (vLLM's profiling run at start-up can wedge a GB10
 even at 0.70 GPU memory utilization). Where the kernel allows it (cgroup v2 with the memory
@@ -16,7 +20,8 @@ controller available to us), `exec` starts a command under a hard memory limit i
     scripts/flash_next/memguard.py exec --max 110GiB -- vllm serve ...
 
 Exit codes of `watch`: 0 the server exited by itself; 3 the guard stopped it; 2 usage error
-(no such process, the PID is the guard's own process group).
+(no such process, the PID is the guard's own process group). `run`: the command's exit status,
+or 3 when the guard stopped it.
 `exec` replaces itself with the command; it exits 2 without running anything when no hard
 limit can be set (the message says why).
 """
@@ -28,6 +33,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -252,6 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     p_watch.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     p_watch.add_argument("--interval", type=float, default=0.5, help="seconds between two MemAvailable readings")
     p_watch.add_argument("--log", help="append messages to this file (default: stderr)")
+    p_run = sub.add_parser(
+        "run",
+        help="start a command in its own session and guard it",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p_run.add_argument(
+        "--min-available", type=parse_size, default="6GiB", help="stop the command under this MemAvailable"
+    )
+    p_run.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
+    p_run.add_argument("--interval", type=float, default=0.5, help="seconds between two MemAvailable readings")
+    p_run.add_argument("--log", help="append messages to this file (default: stderr)")
+    p_run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command and its arguments")
     p_exec = sub.add_parser("exec", help="run a command under a cgroup v2 hard memory limit")
     p_exec.add_argument("--max", type=parse_size, required=True, help="memory.max of the new cgroup, e.g. 110GiB")
     p_exec.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command and its arguments")
@@ -277,6 +295,21 @@ def main(argv: list[str] | None = None) -> int:
         os.execvp(cmd[0], cmd)
 
     log = open(args.log, "a") if args.log else sys.stderr
+    if args.command == "run":
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not cmd:
+            parser.error("run: give the command after --")
+        try:
+            child = subprocess.Popen(cmd, start_new_session=True)
+        except OSError as e:
+            print(f"memguard: error: cannot run {cmd[0]}: {e.strerror}", file=sys.stderr)
+            return 2
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda number, _frame: os.killpg(child.pid, number))
+        guard = Guard(child.pid, args.min_available, args.grace, args.interval, log)
+        stopped = guard.run() == 3
+        status = child.wait()
+        return 3 if stopped else (status if status >= 0 else 128 - status)
     try:
         guard = Guard(args.pid, args.min_available, args.grace, args.interval, log)
     except (ProcessLookupError, PermissionError) as e:

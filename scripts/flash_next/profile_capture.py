@@ -83,12 +83,17 @@ def long_prompt(base: str, model: str, tokens: int) -> str:
 
 
 class Streams:
-    """`count` streaming decodes in background threads; `steps` counts chunks of the first one."""
+    """`count` clients in background threads, each streaming one decode after another until stopped.
+
+    Back-to-back requests keep the server decoding for the whole window however fast it is;
+    `chunks` counts the streamed chunks of the first client (one chunk per engine step).
+    """
 
     def __init__(self, base: str, model: str, count: int, max_tokens: int, timeout: float):
-        self.progress = [0] * count
         self.chunks = 0
-        self.records: list[dict | None] = [None] * count
+        self.decoding = [False] * count
+        self.records: list[list[dict]] = [[] for _ in range(count)]
+        self.stop = threading.Event()
         self.threads = []
         for i in range(count):
             body = {
@@ -105,32 +110,41 @@ class Streams:
 
     def _run(self, i, base, body, timeout):
         def seen(total, i=i):
-            self.progress[i] = total
+            if total >= 2:
+                self.decoding[i] = True
             if i == 0:
                 self.chunks += 1
 
-        self.records[i] = vllm_client.stream_chat(base, body, timeout, on_tokens=seen)
+        while not self.stop.is_set():
+            record = vllm_client.stream_chat(base, body, timeout, on_tokens=seen)
+            self.records[i].append(record)
+            if not record["ok"]:
+                return
 
-    def wait_tokens(self, minimum: int, timeout: float) -> bool:
+    def failed(self) -> bool:
+        return any(records and not records[-1]["ok"] for records in self.records)
+
+    def wait_decoding(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if min(self.progress) >= minimum:
+        while time.monotonic() < deadline and not self.failed():
+            if all(self.decoding):
                 return True
-            if all(r is not None for r in self.records):
-                return False
             time.sleep(0.02)
         return False
 
     def wait_chunks(self, more: int, timeout: float) -> int:
         start = self.chunks
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.chunks - start < more and self.records[0] is None:
+        while time.monotonic() < deadline and self.chunks - start < more and not self.failed():
             time.sleep(0.01)
         return self.chunks - start
 
-    def join(self, timeout: float) -> None:
+    def finish(self, timeout: float) -> bool:
+        """Let each client end its current request; True if every request succeeded."""
+        self.stop.set()
         for thread in self.threads:
             thread.join(timeout)
+        return not self.failed() and all(self.records)
 
 
 def capture_window(name: str, args, base: str, model: str, out_dir: str) -> dict:
@@ -141,9 +155,9 @@ def capture_window(name: str, args, base: str, model: str, out_dir: str) -> dict
     streams = None
     if name.startswith("decode"):
         count = 1 if name == "decode-c1" else 4
-        # Long enough to outlast the profiled steps plus the profiler's start and stop.
         streams = Streams(base, model, count, args.decode_max_tokens, args.timeout)
-        if not streams.wait_tokens(2, args.timeout):
+        if not streams.wait_decoding(args.timeout):
+            streams.finish(args.timeout)
             info["error"] = "the requests did not start decoding"
             return info
         vllm_client.http_post(base + "/start_profile", {}, timeout=args.timeout)
@@ -168,8 +182,9 @@ def capture_window(name: str, args, base: str, model: str, out_dir: str) -> dict
         shutil.move(os.path.join(args.trace_dir, file_name), os.path.join(folder, file_name))
     info["files"] = new_files
     if streams is not None:
-        streams.join(args.timeout)
-        info["decode_ok"] = all(r and r["ok"] for r in streams.records)
+        info["decode_ok"] = streams.finish(args.timeout)
+        if not info["decode_ok"]:
+            info["error"] = "a decode request failed during the window"
     traces = [f for f in new_files if f.endswith((".json", ".json.gz"))]
     if not traces:
         info["error"] = (
@@ -199,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", default=",".join(WINDOWS), help="comma-separated subset (default: %(default)s)")
     parser.add_argument("--decode-steps", type=int, default=20, help="steps per decode window (default: %(default)s)")
     parser.add_argument(
-        "--decode-max-tokens", type=int, default=1024, help="max_tokens of the decode requests (default: %(default)s)"
+        "--decode-max-tokens", type=int, default=512, help="max_tokens of each decode request (default: %(default)s)"
     )
     parser.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per call or wait (default: %(default)s)")

