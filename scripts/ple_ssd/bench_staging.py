@@ -13,7 +13,10 @@ k=3; 32 = c=8, k=3) and a prefill chunk (2048 tokens), 16 hashed heads per token
 - `baseline`: the straightforward variant, from hashed ids on the device: GPU `unique`, one
   device-to-host copy, per-shard runs over a thread pool of `index_select`s into a pinned
   buffer, one host-to-device copy, the inverse index on the GPU.
+- `ple_mmap_stage_sorted` / `ple_mmap_stage_direct`: the stage with every step deduplicated on
+  the device / none deduplicated (large steps hashed on the host): the size threshold's data.
 - `resident`: `F.embedding` of the same ids on a device-resident copy of the table (the floor).
+- `sync_only`: nothing but the device synchronisation every timed step ends with.
 
 Each is timed warm (pages cached and mapped), `cached` (in the page cache, not mapped: minor
 faults) and cold (pages dropped with madvise(MADV_DONTNEED) + posix_fadvise(DONTNEED) before
@@ -371,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     tables = {threads: make_table(threads, 1024) for threads in thread_counts}
     # The same table with every step taking the sorted, deduplicated path (for the threshold).
     sorted_tables = {threads: make_table(threads, 0) for threads in thread_counts}
+    # ... and with none deduplicated: large steps hashed on the host, rows in token order.
+    direct_tables = {threads: make_table(threads, 1 << 40) for threads in thread_counts}
     results["environment"]["table"] = tables[thread_counts[0]].describe()
     baselines = {t: StraightforwardGather(shards, shard_rows, max_tokens * HEADS, t, device) for t in thread_counts}
 
@@ -393,8 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         "ple_mmap_stage_host": lambda t, host, dev, ids: tables[t].stage(*host),
         "ple_mmap_lookup": lambda t, host, dev, ids: tables[t].lookup(ids),
         "ple_mmap_stage_sorted": lambda t, host, dev, ids: sorted_tables[t].stage(*dev),
+        "ple_mmap_stage_direct": lambda t, host, dev, ids: direct_tables[t].stage(*dev),
         "baseline": lambda t, host, dev, ids: baselines[t].lookup(ids),
         "resident": lambda t, host, dev, ids: torch.nn.functional.embedding(ids, resident),
+        "sync_only": lambda t, host, dev, ids: None,  # the timer's own floor: one device sync
     }
 
     # Correctness first: every method against the resident table, each step size.
@@ -405,8 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, method in methods.items():
             try:
                 got = method(thread_counts[-1], host, dev, ids)
+                if name == "sync_only":
+                    continue
                 if name.startswith("ple_mmap_stage"):
-                    table = sorted_tables if name.endswith("sorted") else tables
+                    table = {"sorted": sorted_tables, "direct": direct_tables}.get(name.rsplit("_", 1)[1], tables)
                     got = table[thread_counts[-1]].staged(len(host[0]))
                 checks[f"{name}/{tokens}"] = bool(torch.equal(got.reshape(len(host[0]), -1).view(torch.int16), want))
             except Exception:
@@ -425,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, method in methods.items():
                 if mode != "warm" and name not in ("ple_mmap_stage", "baseline"):
                     continue  # the other ple_mmap entries share the stage's gather
-                for threads in thread_counts if name != "resident" else thread_counts[:1]:
+                for threads in thread_counts if name not in ("resident", "sync_only") else thread_counts[:1]:
                     iters = args.warm_iters if mode == "warm" else args.cold_iters
                     if tokens >= 1024:
                         iters = max(3, iters // 4)

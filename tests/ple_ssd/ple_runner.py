@@ -147,11 +147,13 @@ def cmd_forward(args) -> dict:
         init_distributed(vllm_config, args.tp_rank, args.tp_size, args.port)
         layer = build_layer(vllm_config)
         table = layer.ple_embedding.ngram_embedding
-        if args.fault_seconds is not None:
+        if args.fault_seconds is not None:  # 0: every gather past the probe rows goes to the pool
             table.fault_seconds = args.fault_seconds
-        if args.direct_copy_max_rows is not None:
+            table.rows_per_task = 7
+        if args.direct_copy_max_rows is not None:  # 0: every lookup deduplicates
             table.direct_copy_max_rows = args.direct_copy_max_rows
-            table.min_rows_per_task = 64  # several pool tasks per gather view
+        if args.host_hash_max_tokens is not None:  # 0: hash with tensor ops
+            table.host_hash_max_tokens = args.host_hash_max_tokens
         config = vllm_config.model_config.hf_text_config
         steps = make_steps(args.seed, config.vocab_size, config.eos_token_id, 1024)
         generator = torch.Generator().manual_seed(args.seed)
@@ -313,6 +315,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stage", action="store_true", help="stage rows before each forward (patch 0002)")
     parser.add_argument("--direct-copy-max-rows", type=int, default=None)
     parser.add_argument("--fault-seconds", type=float, default=None, help="0: memmove over the pool")
+    parser.add_argument("--host-hash-max-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1)
