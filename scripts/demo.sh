@@ -1,13 +1,137 @@
 #!/usr/bin/env bash
 # The whole Flash-Next workflow, end to end, on a tiny local MTP model on this machine's CPU.
 #
-# usage: scripts/demo.sh
+# usage: scripts/demo.sh [WORKDIR]
 #
-# Sets up the pinned test environment (tests/env/setup.sh) and reports the state of the
-# patch series against it. The serve/bench/prune/GSM8K steps are added as their tools land.
+#   WORKDIR   where the demo builds and measures (default: .cache/demo/<date-time>; must be new)
+#   VENV      the pinned test environment (default: .venv; tests/env/setup.sh creates it)
+#   REPORT    where the HTML report goes (default: WORKDIR/flash-next-report.html)
+#
+# Steps: set up the pinned vLLM 0.29.0 (CPU build); apply the patch series into an overlay (the
+# venv itself stays stock); build a tiny Qwen3.5 + MTP model and tokenizer locally; then, each
+# through scripts/flash_next/serve.sh on 127.0.0.1 and measured by run_suite.sh (decode bench at
+# c=1 and c=4, GSM8K on the fixture problems): MTP off, MTP k=3, and MTP k=3 with the draft head
+# pruned to a keep-set fitted from the model's own generations (scripts/mtp_pruning/). Last, the
+# report and a side-by-side table: tok/s, acceptance, and whether the outputs are identical.
+#
+# The tiny model is built so that greedy decoding continues "next id = previous id + 1" and its
+# MTP block drafts exactly that; its figures show the tools work, not how fast Flash-Next is.
+# On a GPU box the same tools serve Flash-Next: MODEL=... scripts/flash_next/serve.sh LOG.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-"$root/tests/env/setup.sh"
-python="${VENV:-$root/.venv}/bin/python"
+tools="$root/scripts/flash_next"
+workdir=${1:-$root/.cache/demo/$(date +%Y%m%d-%H%M%S)}
+venv=${VENV:-$root/.venv}
+python="$venv/bin/python"
+report=${REPORT:-$workdir/flash-next-report.html}
+start=$(date +%s)
+
+say() { printf '\n==> %s\n' "$*"; }
+
+if [ -e "$workdir" ] && [ -n "$(ls -A "$workdir")" ]; then
+  echo "demo.sh: $workdir exists and is not empty; give a new WORKDIR" >&2
+  exit 2
+fi
+mkdir -p "$workdir"
+
+say "1. The pinned environment (vLLM 0.29.0, CPU build) in $venv"
+VENV=$venv "$root/tests/env/setup.sh"
 "$python" "$root/scripts/patches.py" status --python "$python"
+
+say "2. The patch series, applied into an overlay of the installed vLLM (the venv stays stock)"
+overlay="$workdir/patched-vllm"
+"$python" - "$root" "$overlay" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1] + "/tests")
+from vllm_overlay import make_overlay
+make_overlay(sys.argv[2])
+PY
+"$python" "$root/scripts/patches.py" status --target "$overlay"
+
+say "3. A tiny Qwen3.5 + MTP model and its tokenizer, built here (nothing is downloaded)"
+model="$workdir/tiny-qwen35-mtp"
+"$python" - "$root" "$workdir/tokenizer" "$model" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1] + "/tests")
+from tiny_models import build_tiny_qwen35, train_tokenizer
+tokenizer = train_tokenizer(sys.argv[2])
+print("model:", build_tiny_qwen35(sys.argv[3], tokenizer, variant="increment"))
+PY
+
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+serve_pid=
+# shellcheck disable=SC2317  # called by the trap and by measure()
+stop_server() {
+  if [ -n "$serve_pid" ] && kill -0 "$serve_pid" 2>/dev/null; then
+    kill -TERM "$serve_pid" # serve.sh stops the server's process group and waits for it
+    wait "$serve_pid" || true
+  fi
+  serve_pid=
+}
+trap stop_server EXIT
+
+# measure NAME LABEL EXPECT [VAR=VALUE...]: serve the tiny model with these serve.sh settings,
+# run the suite against it, stop it.
+measure() {
+  local name=$1 label=$2 expect=$3
+  shift 3
+  local port log="$workdir/$name.log"
+  port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  say "serve: $label (log $log)"
+  env "$@" MODEL="$model" VLLM_PYTHON="$python" PYTHONPATH="$overlay" PORT="$port" PLE=0 MAX_MODEL_LEN=2048 \
+    "$tools/serve.sh" "$log" --served-model-name tiny --no-enable-prefix-caching &
+  serve_pid=$!
+  local waited=0
+  until "$python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=5)' \
+    "http://127.0.0.1:$port" 2>/dev/null; do
+    if ! kill -0 "$serve_pid" 2>/dev/null; then
+      echo "demo.sh: the server did not start; last lines of $log:" >&2
+      tail -n 30 "$log" >&2
+      exit 1
+    fi
+    sleep 2
+    waited=$((waited + 2))
+    if [ "$waited" -ge 900 ]; then
+      echo "demo.sh: no healthy server after 900 s; see $log" >&2
+      exit 1
+    fi
+  done
+  echo "ready after ${waited} s"
+  URL="http://127.0.0.1:$port" LABEL="$label" SERVER_LOG="$log" EXPECT="$expect" N_C1=4 N_C4=8 MAX_TOKENS=128 \
+    BENCH_ARGS=--ignore-eos GSM8K="$root/tests/flash_next/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
+    PYTHON="$python" "$tools/run_suite.sh" "$workdir/results/$name"
+  stop_server
+}
+
+say "4. Serve and measure: MTP off"
+measure mtp-off "MTP off" "mtp=off" MTP=0
+say "5. Serve and measure: MTP k=3, full draft head"
+measure mtp3 "MTP k=3" "mtp=3 draft_head=full" MTP=3
+
+runs=("$workdir/results/mtp-off" "$workdir/results/mtp3")
+skipped=()
+if [ -x "$root/scripts/mtp_pruning/fit_keepset.py" ] && grep -q '^mtp-pruning/' "$root/patches/series"; then
+  say "6. Fit a keep-set from the model's own generations (MTP k=3 run), serve with the pruned draft head"
+  keep="$workdir/keep.npy"
+  "$python" "$root/scripts/mtp_pruning/fit_keepset.py" "$workdir/results/mtp3" --model "$model" -o "$keep"
+  measure mtp3-pruned "MTP k=3, pruned draft head" "mtp=3 draft_head=pruned" MTP=3 DRAFT_VOCAB_PATH="$keep"
+  runs+=("$workdir/results/mtp3-pruned")
+else
+  skipped+=("the pruned draft head: scripts/mtp_pruning/fit_keepset.py or the mtp-pruning patch is not in this checkout")
+fi
+trap - EXIT
+
+say "7. Report"
+"$python" "$tools/report.py" "${runs[@]}" --output "$report" --force
+
+say "Side by side (identical outputs: the c=1 bench's token ids against the first row)"
+"$python" "$tools/report.py" --compare "${runs[@]}"
+echo
+echo "results: $workdir/results   report: $report   ($(($(date +%s) - start)) s in all)"
+echo "not shown here: ple-ssd (the n-gram table on disk) belongs to Qwen4Exp models; the tiny model has no"
+echo "table. tests/ple_ssd exercises it on CPU; on a GPU box serve Flash-Next with PLE=1 (the default)."
+for item in "${skipped[@]}"; do
+  echo "skipped: $item"
+done

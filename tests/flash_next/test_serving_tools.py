@@ -1,7 +1,9 @@
 """The Flash-Next tools against real vLLM servers on 127.0.0.1, each launched by serve.sh.
 
 Three servers of the tiny Qwen3.5 + MTP "increment" model (greedy next id = previous id + 1, and
-the MTP block drafts exactly that), all with the whole patch series applied (inert unless asked):
+the MTP block drafts exactly that), all with the whole patch series applied (inert unless asked).
+Only one runs at a time: starting the next stops the previous one (its log and results stay), so
+the tests that talk to a live server come in the order of the servers:
 - mtp: MTP k=3 with the full draft head, and a torch profiler;
 - pruned: MTP k=3 with the draft head pruned to a keep-set fitted from the mtp server's outputs;
 - plain: MTP off; the last test kills it in the middle of a bench.
@@ -57,9 +59,17 @@ def suite(out: Path, server: ServeSh, label: str, expect: str, gsm8k: Path | Non
     )
 
 
+_live: list[ServeSh] = []
+
+
 def start_server(tmp: Path, name: str, model: Path, overlay: Path, settings: dict, extra=()) -> ServeSh:
+    """Start a server through serve.sh, after stopping the one started before (one at a time on 2 cores)."""
+    while _live:
+        _live.pop().stop()
     args = ["--served-model-name", "tiny", "--no-enable-prefix-caching", *extra]  # MTP on CPU needs the latter
-    return ServeSh(tmp / f"{name}.log", model, overlay, settings, args).start()
+    server = ServeSh(tmp / f"{name}.log", model, overlay, settings, args).start()
+    _live.append(server)
+    return server
 
 
 @pytest.fixture(scope="module")
