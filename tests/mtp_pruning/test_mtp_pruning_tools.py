@@ -222,3 +222,28 @@ def test_fit_keepset_from_a_results_folder(tmp_path, tiny_mtp_model, tokenizer):
     assert summary["self_check"]["held_out_texts"] == 2 and summary["self_check"]["held_out_coverage"] == 0.0
     assert "too few tokens counted" in err
     assert np.load(tmp_path / "keep.counts.npy").sum() == 40
+
+
+def test_gpu_bench_times_the_module_the_patch_ships(pruning_overlay):
+    """bench_draft_head.py loads the patch's module from the patch file: the same code the overlay has."""
+    import importlib
+    import sys
+
+    from pruning_helpers import SCRIPTS
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        bench = importlib.import_module("bench_draft_head")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    module = bench.load_module_from_patch(bench.PATCH)
+    shipped = pruning_overlay / "vllm" / "v1" / "spec_decode" / "draft_vocab.py"
+    assert open(module.__file__).read() == shipped.read_text()
+    vocab = module.DraftVocab("k", torch.tensor([1, 5, 9]), 16)
+    vocab.place(torch.device("cpu"))
+    weight = torch.randn(64, 8).to(torch.bfloat16)  # 3 rows padded to 64, as ParallelLMHead pads
+    hidden = torch.randn(4, 8).to(torch.bfloat16)
+    argmax = bench.make_step("pruned-argmax", weight, hidden, module, vocab, 3)()
+    full_vocab = bench.make_step("pruned-full-vocab", weight, hidden, module, vocab, 3)()
+    expected = torch.tensor([1, 5, 9])[torch.nn.functional.linear(hidden, weight[:3]).argmax(-1)]
+    assert torch.equal(argmax, expected) and torch.equal(full_vocab, expected)
