@@ -244,7 +244,7 @@ def cmd_memory(args) -> dict:
     steps = make_steps(args.seed, config.vocab_size, config.eos_token_id)
     with set_current_vllm_config(vllm_config):
         init_distributed()
-        rss_before = read_status("VmRSS")
+        rss_before, anon_before = read_status("VmRSS"), read_status("RssAnon")
         layer = build_layer(vllm_config)
         rss_loaded = read_status("VmRSS")
         table = layer.ple_embedding.ngram_embedding
@@ -270,12 +270,14 @@ def cmd_memory(args) -> dict:
             for input_ids, query_start_loc, ngram_context in steps:
                 layer.ple_embedding(input_ids, query_start_loc, ngram_context)
                 rows += input_ids.numel() * table.heads
-        rss_used = read_status("VmRSS")
+        rss_used, anon_used = read_status("VmRSS"), read_status("RssAnon")
     return {
         "table_bytes": table.mapped_bytes,
         "rss_before_load": rss_before,
         "rss_after_load": rss_loaded,
         "rss_after_lookups": rss_used,
+        "anon_before_load": anon_before,
+        "anon_after_lookups": anon_used,
         "rows_looked_up": rows,
         "row_bytes": table.row_bytes,
         "shards": shards,
