@@ -30,8 +30,9 @@ itself, so the benchmark needs only torch and safetensors:
     python3 scripts/ple_ssd/bench_staging.py --dir /var/tmp/ple-bench --table-gib 8 \\
         --out results/ple_ssd_bench.json
 
-JSON output: {"summary": {...medians per method/tokens/mode/threads...}, "environment": {...},
-"disk": [...], "cuda_graph": {...}, "records": [...every timed step...]}.
+JSON output: {"summary": {"METHOD/MODE/TOKENS/tTHREADS": {"median_ms", "p90_ms", "n"}},
+"matches_resident": {"METHOD/TOKENS": bool}, "cuda_graph": {...}, "disk": [...], "environment":
+{...}, "errors": [...], "skipped": [...], "records": [...every timed step, in ms...]}.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def write_table(folder: Path, table_gib: float, shards: int, files: int, device:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    rows = int(table_gib * 2**30 / (ROW_WIDTH * 2)) // (shards * 1024) * shards * 1024
+    rows = int(table_gib * 2**30 / (ROW_WIDTH * 2)) // shards * shards
     shard_rows = rows // shards
     paths = [folder / f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)]
     expected = shard_rows * ROW_WIDTH * 2 * shards // files
@@ -312,7 +313,7 @@ def time_steps(method, threads, next_step, iterations, warmups, device, before=N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", type=Path, default=Path("ple-bench-table"), help="where the table files go")
+    parser.add_argument("--dir", type=Path, required=True, help="where the table files go (a disk, not tmpfs)")
     parser.add_argument("--table-gib", type=float, default=8.0, help="table size in GiB")
     parser.add_argument("--shards", type=int, default=128, help="checkpoint shards (the real model has 128)")
     parser.add_argument("--files", type=int, default=16, help="safetensors files holding the shards")
@@ -339,8 +340,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         results["summary"] = summarize(results["records"])
+        first = ["summary", "matches_resident", "cuda_graph", "disk", "environment", "errors", "skipped"]
+        ordered = {key: results[key] for key in first if key in results}
+        ordered["records"] = results["records"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
+        args.out.write_text(json.dumps(ordered, indent=1))
 
     began = time.perf_counter()
     paths = write_table(args.dir, args.table_gib, args.shards, args.files, args.device)

@@ -329,3 +329,17 @@ def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkp
             assert same_bits(runs[name, rank]["embeddings"], runs["stock", rank]["embeddings"]), (name, rank)
             assert same_bits(runs[name, rank]["layer"], runs["stock", rank]["layer"]), (name, rank)
         assert same_bits(runs["0001+0002", rank]["layer"], pristine["layer"]), rank
+
+
+def test_staging_benchmark_runs_on_cpu_and_every_method_returns_the_resident_rows(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_staging", REPO / "scripts" / "ple_ssd" / "bench_staging.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    argv = ["--dir", str(tmp_path / "table"), "--table-gib", "0.02", "--files", "4", "--tokens", "1,4,2048"]
+    argv += ["--threads", "1,2", "--warm-iters", "3", "--modes", "warm", "--disk-seconds", "0.05"]
+    assert bench.main([*argv, "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report)[0] == "summary" and not report["errors"]
+    assert len(report["matches_resident"]) == 3 * 7 and all(report["matches_resident"].values())
+    assert "ple_mmap_stage/warm/4/t1" in report["summary"]
