@@ -11,8 +11,10 @@
 # venv itself stays stock); build a tiny Qwen3.5 + MTP model and tokenizer locally; then, each
 # through scripts/flash_next/serve.sh on 127.0.0.1 and measured by run_suite.sh (decode bench at
 # c=1 and c=4, GSM8K on the fixture problems): MTP off, MTP k=3, and MTP k=3 with the draft head
-# pruned to a keep-set fitted from the model's own generations (scripts/mtp_pruning/). Last, the
-# report and a side-by-side table: tok/s, acceptance, and whether the outputs are identical.
+# pruned to a keep-set fitted from the model's own generations (scripts/mtp_pruning/); the MTP k=3
+# server also runs with the torch profiler, and profile_capture.py + trace_split.py show where its
+# steps' time goes. Last, the report and a side-by-side table: tok/s, acceptance, and whether
+# the outputs are identical.
 #
 # The tiny model is built so that greedy decoding continues "next id = previous id + 1" and its
 # MTP block drafts exactly that; its figures show the tools work, not how fast Flash-Next is.
@@ -24,7 +26,6 @@ tools="$root/scripts/flash_next"
 workdir=${1:-$root/.cache/demo/$(date +%Y%m%d-%H%M%S)}
 venv=${VENV:-$root/.venv}
 python="$venv/bin/python"
-report=${REPORT:-$workdir/flash-next-report.html}
 start=$(date +%s)
 
 say() { printf '\n==> %s\n' "$*"; }
@@ -34,6 +35,8 @@ if [ -e "$workdir" ] && [ -n "$(ls -A "$workdir")" ]; then
   exit 2
 fi
 mkdir -p "$workdir"
+workdir=$(cd "$workdir" && pwd) # absolute: serve.sh wants the keep-set by absolute path
+report=${REPORT:-$workdir/flash-next-report.html}
 
 say "1. The pinned environment (vLLM 0.29.0, CPU build) in $venv"
 VENV=$venv "$root/tests/env/setup.sh"
@@ -73,15 +76,20 @@ stop_server() {
 trap stop_server EXIT
 
 # measure NAME LABEL EXPECT [VAR=VALUE...]: serve the tiny model with these serve.sh settings,
-# run the suite against it, stop it.
+# run the suite against it (and, with PROFILE=1 among the settings, capture profiles), stop it.
 measure() {
   local name=$1 label=$2 expect=$3
   shift 3
-  local port log="$workdir/$name.log"
+  local port log="$workdir/$name.log" traces="$workdir/traces-$name" profile_args=()
+  if [[ " $* " == *" PROFILE=1 "* ]]; then
+    mkdir -p "$traces"
+    # No profiler summary table: building it takes longer than writing the trace.
+    profile_args=(--profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$traces\", \"torch_profiler_dump_cuda_time_total\": false}")
+  fi
   port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   say "serve: $label (log $log)"
   env "$@" MODEL="$model" VLLM_PYTHON="$python" PYTHONPATH="$overlay" PORT="$port" PLE=0 MAX_MODEL_LEN=2048 \
-    "$tools/serve.sh" "$log" --served-model-name tiny --no-enable-prefix-caching &
+    "$tools/serve.sh" "$log" --served-model-name tiny --no-enable-prefix-caching "${profile_args[@]}" &
   serve_pid=$!
   local waited=0
   until "$python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=5)' \
@@ -102,20 +110,28 @@ measure() {
   URL="http://127.0.0.1:$port" LABEL="$label" SERVER_LOG="$log" EXPECT="$expect" N_C1=4 N_C4=8 MAX_TOKENS=128 \
     BENCH_ARGS=--ignore-eos GSM8K="$root/tests/flash_next/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
     PYTHON="$python" "$tools/run_suite.sh" "$workdir/results/$name"
+  if [ ${#profile_args[@]} -gt 0 ]; then
+    say "profile: decode c=1, prefill, decode c=4 (torch profiler), split per engine step"
+    "$python" "$tools/profile_capture.py" --url "http://127.0.0.1:$port" --trace-dir "$traces" \
+      --out "$workdir/results/$name/profile" --decode-steps 8 --min-window-s 0.3 --prefill-tokens 1500
+    "$python" "$tools/trace_split.py" "$workdir/results/$name/profile/decode-c1"
+  fi
   stop_server
 }
 
 say "4. Serve and measure: MTP off"
 measure mtp-off "MTP off" "mtp=off" MTP=0
 say "5. Serve and measure: MTP k=3, full draft head"
-measure mtp3 "MTP k=3" "mtp=3 draft_head=full" MTP=3
+measure mtp3 "MTP k=3" "mtp=3 draft_head=full" MTP=3 PROFILE=1
 
 runs=("$workdir/results/mtp-off" "$workdir/results/mtp3")
 skipped=()
 if [ -x "$root/scripts/mtp_pruning/fit_keepset.py" ] && grep -q '^mtp-pruning/' "$root/patches/series"; then
   say "6. Fit a keep-set from the model's own generations (MTP k=3 run), serve with the pruned draft head"
   keep="$workdir/keep.npy"
-  "$python" "$root/scripts/mtp_pruning/fit_keepset.py" "$workdir/results/mtp3" --model "$model" -o "$keep"
+  mtp3="$workdir/results/mtp3"
+  "$python" "$root/scripts/mtp_pruning/fit_keepset.py" "$mtp3/bench-c1.json" "$mtp3/bench-c4.json" "$mtp3/gsm8k.json" \
+    --model "$model" -o "$keep"
   measure mtp3-pruned "MTP k=3, pruned draft head" "mtp=3 draft_head=pruned" MTP=3 DRAFT_VOCAB_PATH="$keep"
   runs+=("$workdir/results/mtp3-pruned")
 else

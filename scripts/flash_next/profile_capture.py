@@ -6,10 +6,11 @@ The server must have been started with a torch profiler, e.g.
 (vLLM 0.29 also takes `--profiler-config.profiler=torch --profiler-config.torch_profiler_dir=...`);
 give the same folder as --trace-dir. Windows:
 
-- `decode-c1`: one streaming request is decoding; the profiler records --decode-steps steps.
+- `decode-c1`: one client streams requests back to back; the window lasts --decode-steps
+  streamed steps and at least --min-window-s seconds.
 - `prefill`: one request with a long prompt (--prefill-tokens, capped by the server's
   max_model_len) and a single output token.
-- `decode-c4`: four streaming requests decode at once; --decode-steps steps are recorded.
+- `decode-c4`: the same with four clients.
 
     scripts/flash_next/profile_capture.py --url http://127.0.0.1:8100 --trace-dir /abs/traces --out profiles/
 
@@ -132,10 +133,14 @@ class Streams:
             time.sleep(0.02)
         return False
 
-    def wait_chunks(self, more: int, timeout: float) -> int:
-        start = self.chunks
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.chunks - start < more and not self.failed():
+    def wait_chunks(self, more: int, min_seconds: float, timeout: float) -> int:
+        """Wait for `more` chunks and at least `min_seconds`: a busy front-end delivers chunks in
+        bursts, so chunk counts alone can end a window before the engine ran its steps."""
+        start, began = self.chunks, time.monotonic()
+        deadline = began + timeout
+        while time.monotonic() < deadline and not self.failed():
+            if self.chunks - start >= more and time.monotonic() - began >= min_seconds:
+                break
             time.sleep(0.01)
         return self.chunks - start
 
@@ -161,7 +166,7 @@ def capture_window(name: str, args, base: str, model: str, out_dir: str) -> dict
             info["error"] = "the requests did not start decoding"
             return info
         vllm_client.http_post(base + "/start_profile", {}, timeout=args.timeout)
-        info["steps_streamed"] = streams.wait_chunks(args.decode_steps, args.timeout)
+        info["steps_streamed"] = streams.wait_chunks(args.decode_steps, args.min_window_s, args.timeout)
         vllm_client.http_post(base + "/stop_profile", {}, timeout=args.timeout)
     else:
         prompt = long_prompt(base, model, args.prefill_tokens)
@@ -215,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=20, help="steps per decode window (default: %(default)s)")
     parser.add_argument(
         "--decode-max-tokens", type=int, default=512, help="max_tokens of each decode request (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--min-window-s", type=float, default=1.0, help="shortest decode window in seconds (default: %(default)s)"
     )
     parser.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per call or wait (default: %(default)s)")

@@ -93,7 +93,7 @@ json.dump({
 }, open(path, "w"), indent=1)
 PY
 
-step metrics-before save_metrics "$out/metrics-before.txt"
+step metrics-before save_metrics "$out/metrics-before.prom"
 step bench-c1 "$PYTHON" "$here/bench_decode.py" --url "$URL" -c 1 -n "$N_C1" --max-tokens "$MAX_TOKENS" \
   --label "$LABEL" --output "$out/bench-c1.json" "${bench_args[@]}"
 step bench-c4 "$PYTHON" "$here/bench_decode.py" --url "$URL" -c 4 -n "$N_C4" --max-tokens "$MAX_TOKENS" \
@@ -104,7 +104,7 @@ if [ -n "$GSM8K" ]; then
 else
   echo "== gsm8k: skipped (GSM8K is not set)" | tee -a "$log" >&2
 fi
-step metrics-after save_metrics "$out/metrics-after.txt"
+step metrics-after save_metrics "$out/metrics-after.prom"
 # After the requests: some lines (the pruned draft head in use) appear only once the server decoded.
 if [ -n "$SERVER_LOG" ]; then
   read -r -a expect <<<"$EXPECT"

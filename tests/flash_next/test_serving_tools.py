@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 SCHEMAS = TOOLS / "schemas"
 MTP_TOKENS = 3
-PROFILER = '{{"profiler": "torch", "torch_profiler_dir": "{}"}}'
+PROFILER = '{{"profiler": "torch", "torch_profiler_dir": "{}", "torch_profiler_dump_cuda_time_total": false}}'
 
 
 def schema(name: str) -> dict:
@@ -109,6 +109,8 @@ def mtp_results(work, mtp_server, gsm8k_fixture) -> Path:
         str(out / "profile"),
         "--decode-steps",
         "8",
+        "--min-window-s",
+        "0.5",
         "--prefill-tokens",
         "600",
         "--timeout",
@@ -128,7 +130,8 @@ def keep_set(work, mtp_results, tiny_mtp_model) -> Path:
     """
     path = work / "keep.npy"
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "mtp_pruning" / "fit_keepset.py"), str(mtp_results)]
+        [PYTHON, str(REPO / "scripts" / "mtp_pruning" / "fit_keepset.py")]
+        + [str(mtp_results / name) for name in ("bench-c1.json", "bench-c4.json", "gsm8k.json")]
         + ["--model", str(tiny_mtp_model), "-o", str(path), "--coverage", "1.0", "--quiet"],
         capture_output=True,
         text=True,
@@ -345,6 +348,8 @@ def test_profile_capture_yields_real_traces_that_trace_split_parses(mtp_results,
         frontend = [t for t in result["traces"] if "async_llm" in t["file"]]
         assert frontend and frontend[0]["summary"] is None
     decode = json.loads((mtp_results / "profile" / "decode-c4" / "split.json").read_text())["traces"]
+    assert any(t["summary"] and t["summary"]["steps"] >= 4 for t in decode)
+    decode = json.loads((mtp_results / "profile" / "decode-c1" / "split.json").read_text())["traces"]
     assert any(t["summary"] and t["summary"]["steps"] >= 4 for t in decode)
 
 
