@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -263,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expect", action="append", default=[], metavar="FEATURE=STATE", help="require a state")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--output", metavar="JSON", help="also write the JSON here")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
     args = parser.parse_args(argv)
+    if args.output and os.path.exists(args.output) and not args.force:
+        parser.error(f"--output {args.output} exists; pass --force to replace it")
     with open(args.log, encoding="utf-8", errors="replace") as f:
         lines = f.read().splitlines()
     result = check(lines)
