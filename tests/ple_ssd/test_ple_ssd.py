@@ -42,6 +42,18 @@ def same_bits(left: list[torch.Tensor], right: list[torch.Tensor]) -> bool:
     return len(left) == len(right) and all(torch.equal(bits(a), bits(b)) for a, b in zip(left, right, strict=True))
 
 
+def first_difference(left: list[torch.Tensor], right: list[torch.Tensor]) -> str:
+    """Where two step lists differ first: for assertion messages."""
+    for step, (a, b) in enumerate(zip(left, right, strict=True)):
+        if not torch.equal(bits(a), bits(b)):
+            if a.shape != b.shape:
+                return f"step {step}: shapes {tuple(a.shape)} != {tuple(b.shape)}"
+            differ = (bits(a) != bits(b)).reshape(a.shape[0], -1).any(dim=1)
+            first = differ.nonzero()[0].item()
+            return f"step {step}: {int(differ.sum())} of {a.shape[0]} token rows differ, the first is {first}"
+    return "no difference"
+
+
 def load_ple_mmap():
     """The module that patch 0001 adds, imported straight from the patch (torch + stdlib only)."""
     spec = importlib.util.spec_from_file_location("bench_staging", REPO / "scripts" / "ple_ssd" / "bench_staging.py")
@@ -303,32 +315,31 @@ def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkp
         ("0001", overlays["0001"], ["--ple-mmap"]),
         ("0001+0002", overlays["0002"], ["--ple-mmap", "--stage"]),
     ]:
-        port = ple_runner.free_port()
-        started = [
-            run_ple(
-                overlay,
-                "forward",
-                ple_checkpoint,
-                *flags,
-                "--tp-size",
-                2,
-                "--tp-rank",
-                rank,
-                "--port",
-                port,
-                background=True,
-            )
-            for rank in (0, 1)
-        ]
-        for rank, (proc, out) in enumerate(started):
-            stdout, stderr = proc.communicate(timeout=600)
+        for attempt in range(3):  # a free port can be taken by another process before rank 0 binds it
+            port = ple_runner.free_port()
+            args = [*flags, "--tp-size", 2, "--port", port]
+            started = [
+                run_ple(overlay, "forward", ple_checkpoint, *args, "--tp-rank", r, background=True) for r in (0, 1)
+            ]
+            logs = [(proc, out, *proc.communicate(timeout=900)) for proc, out in started]
+            if all(proc.returncode == 0 for proc, *_ in logs) or attempt == 2:
+                break
+            if not any("EADDRINUSE" in err or "already in use" in err for *_, err in logs):
+                break
+        for rank, (proc, out, stdout, stderr) in enumerate(logs):
             assert proc.returncode == 0, (name, rank, (stdout + stderr)[-6000:])
             runs[name, rank] = torch.load(out)["default"]
     for rank in (0, 1):
         for name in ("0001", "0001+0002"):
-            assert same_bits(runs[name, rank]["embeddings"], runs["stock", rank]["embeddings"]), (name, rank)
-            assert same_bits(runs[name, rank]["layer"], runs["stock", rank]["layer"]), (name, rank)
-        assert same_bits(runs["0001+0002", rank]["layer"], pristine["layer"]), rank
+            got, want = runs[name, rank], runs["stock", rank]
+            assert same_bits(got["embeddings"], want["embeddings"]), (
+                name,
+                rank,
+                first_difference(got["embeddings"], want["embeddings"]),
+            )
+            assert same_bits(got["layer"], want["layer"]), (name, rank, first_difference(got["layer"], want["layer"]))
+        tp1 = pristine["layer"]
+        assert same_bits(runs["0001+0002", rank]["layer"], tp1), first_difference(runs["0001+0002", rank]["layer"], tp1)
 
 
 def test_staging_benchmark_runs_on_cpu_and_every_method_returns_the_resident_rows(tmp_path):
