@@ -29,14 +29,23 @@ def ple_checkpoint(tmp_path_factory):
     return build_ple_checkpoint(tmp_path_factory.mktemp("ple-checkpoint"), ngram_vocab_size_base=2_000)
 
 
-def ple_log(tmp_path, checkpoint, selectors: list[str]) -> str:
-    overlay = make_overlay(tmp_path / "overlay", selectors)
+def run_layer(tmp_path, checkpoint, overlay, *flags: str) -> str:
+    """Build, load and run the PLE layer (the ple-ssd tests' runner); its output is the log."""
     log = tmp_path / "ple.log"
     with open(log, "w") as out:
-        for mode in ("config", "load"):
-            args = [PYTHON, str(RUNNER), mode, str(checkpoint), str(tmp_path / f"{mode}.json"), "--ple-mmap"]
-            subprocess.run(args, env=vllm_env(overlay), stdout=out, stderr=subprocess.STDOUT, timeout=600, check=True)
+        proc = subprocess.run(
+            [PYTHON, str(RUNNER), "forward", str(checkpoint), str(tmp_path / "forward.pt"), *flags],
+            env=vllm_env(overlay),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        )
+    assert proc.returncode == 0, f"{RUNNER.name} forward failed (its interface changed?):\n{log.read_text()[-3000:]}"
     return str(log)
+
+
+def ple_log(tmp_path, checkpoint, selectors: list[str], *flags: str) -> str:
+    return run_layer(tmp_path, checkpoint, make_overlay(tmp_path / "overlay", selectors), "--ple-mmap", *flags)
 
 
 def check(log: str) -> dict:
@@ -52,20 +61,10 @@ def test_log_check_recognises_ple_mmap_with_rows_gathered_in_the_forward(tmp_pat
 
 
 def test_log_check_recognises_ple_mmap_with_rows_staged_before_the_forward(tmp_path, ple_checkpoint):
-    ple = check(ple_log(tmp_path, ple_checkpoint, ["ple-ssd"]))
+    ple = check(ple_log(tmp_path, ple_checkpoint, ["ple-ssd"], "--stage"))
     assert ple["state"] == "on" and ple["tables"] >= 1
     assert "staged before the forward" in ple["rows"]
 
 
 def test_log_check_does_not_see_ple_mmap_in_a_stock_log(tmp_path, ple_checkpoint):
-    log = tmp_path / "stock.log"
-    with open(log, "w") as out:
-        subprocess.run(
-            [PYTHON, str(RUNNER), "load", str(ple_checkpoint), str(tmp_path / "load.json")],
-            env=vllm_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=600,
-            check=True,
-        )
-    assert check(str(log))["state"] == "off"
+    assert check(run_layer(tmp_path, ple_checkpoint, None))["state"] == "off"
