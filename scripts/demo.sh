@@ -107,7 +107,7 @@ measure() {
     fi
   done
   echo "ready after ${waited} s"
-  URL="http://127.0.0.1:$port" LABEL="$label" SERVER_LOG="$log" EXPECT="$expect" N_C1=4 N_C4=8 MAX_TOKENS=128 \
+  URL="http://127.0.0.1:$port" LABEL="$label" SERVER_LOG="$log" EXPECT="$expect" N_C1=4 N_C4=16 MAX_TOKENS=256 \
     BENCH_ARGS=--ignore-eos GSM8K="$root/tests/flash_next/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
     PYTHON="$python" "$tools/run_suite.sh" "$workdir/results/$name"
   if [ ${#profile_args[@]} -gt 0 ]; then
