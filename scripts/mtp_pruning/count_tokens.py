@@ -147,7 +147,12 @@ def input_files(inputs: Iterable[str]) -> list[Path]:
     for name in inputs:
         path = Path(name)
         if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in RESULT_SUFFIXES))
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in RESULT_SUFFIXES)
+            # A results folder's .txt files are summaries and dumps, not generations: in a folder
+            # that holds .json/.jsonl records, raw text is read only when named explicitly.
+            if any(p.suffix in (".json", ".jsonl") for p in found):
+                found = [p for p in found if p.suffix != ".txt"]
+            files.extend(found)
         elif path.is_file():
             files.append(path)
         else:

@@ -191,7 +191,13 @@ HOG = textwrap.dedent(
 def _spawn(script: Path, role: str) -> subprocess.Popen:
     env = dict(os.environ, MEMGUARD_TEST_ROLE=role)
     # Identical command lines: the guard must tell them apart by PID, not by name.
-    return subprocess.Popen([sys.executable, str(script)], env=env, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, start_new_session=True)
+    # Right after fork the child may not have exec'd yet (its cmdline reads empty or as ours).
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 30
+    while str(script).encode() not in cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc
 
 
 def test_memguard_stops_the_hungry_process_and_leaves_a_same_named_sibling(tmp_path):

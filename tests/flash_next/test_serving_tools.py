@@ -342,9 +342,12 @@ def test_profile_capture_yields_real_traces_that_trace_split_parses(mtp_results,
         for step in worker["steps"]:
             parts = step["worker_ms"] + step["scheduler_ms"] + step["engine_io_ms"] + step["other_ms"]
             assert step["other_ms"] >= 0 and parts == pytest.approx(step["step_ms"])
-        # The model runs inside the worker: most of a busy step is the worker role, so its
-        # function names matched (a missed name would show up as "other").
-        assert worker["summary"]["share"]["worker"] > 0.5
+        # The role patterns match vLLM 0.29's real function names: a missed name would show up as
+        # "other". The worker/engine-I/O split itself moves with the machine's load, so only a
+        # floor is asserted for the worker (81 % on an idle machine, 45 % seen under a loaded CI).
+        share = worker["summary"]["share"]
+        assert share["other"] < 0.05, share
+        assert share["worker"] > 0.2, share
         frontend = [t for t in result["traces"] if "async_llm" in t["file"]]
         assert frontend and frontend[0]["summary"] is None
     decode = json.loads((mtp_results / "profile" / "decode-c4" / "split.json").read_text())["traces"]
