@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Debian packages the test suite needs: shellcheck (shell lint), nix-bin (Nix syntax and pure
-# evaluation checks; nixpkgs itself cannot be fetched here), chromium (renders the HTML report).
+# evaluation checks; nixpkgs itself cannot be fetched here), chromium and a font (the HTML
+# report is rendered and screenshotted in a test).
 # Needs root (CI and the development machines run as root); installs only what is missing.
 #
 # usage: tests/env/setup_system.sh
 set -euo pipefail
 
-packages=(shellcheck nix-bin chromium)
+packages=(shellcheck nix-bin chromium fonts-dejavu-core)
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
