@@ -30,7 +30,6 @@ import re
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_client  # noqa: E402
@@ -210,18 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             if not raw["ok"] and raw["server_gone"] and not vllm_client.server_alive(base):
                 stop.set()
 
-    status = "complete"
-    try:
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            for _ in range(args.concurrency):
-                pool.submit(worker)
-    except KeyboardInterrupt:
-        stop.set()
-        status = "interrupted"
+    status = vllm_client.run_workers(args.concurrency, worker, stop)
     if show_progress:
         print(file=sys.stderr)
-    if stop.is_set() and status == "complete":
-        status = "server-died"
     wall = time.perf_counter() - t0
     records.sort(key=lambda r: r["index"])
     answered = [r for r in records if r["ok"]]

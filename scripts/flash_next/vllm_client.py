@@ -16,10 +16,13 @@ import json
 import os
 import re
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 # --------------------------------------------------------------------------------------------
 # HTTP
@@ -320,3 +323,19 @@ def stats(values: list[float]) -> dict | None:
         "max": ordered[-1],
         "n": len(ordered),
     }
+
+
+def run_workers(concurrency: int, worker: Callable[[], None], stop: threading.Event) -> str:
+    """Run `concurrency` copies of `worker` until all return. Workers set `stop` when the server
+    is gone. Returns the run's status: "complete", "interrupted" (Ctrl-C) or "server-died"."""
+    status = "complete"
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            for _ in range(concurrency):
+                pool.submit(worker)
+    except KeyboardInterrupt:
+        stop.set()
+        status = "interrupted"
+    if stop.is_set() and status == "complete":
+        status = "server-died"
+    return status
