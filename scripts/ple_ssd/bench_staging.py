@@ -17,6 +17,8 @@ k=3; 32 = c=8, k=3) and a prefill chunk (2048 tokens), 16 hashed heads per token
   the device / none deduplicated (large steps hashed on the host): the size threshold's data.
 - `resident`: `F.embedding` of the same ids on a device-resident copy of the table (the floor).
 - `sync_only`: nothing but the device synchronisation every timed step ends with.
+- `breakdown_us`: a decode step's `stage()` split into its parts (ids to the host, numpy
+  hashing, the gather into the pinned buffer, the upload), each timed alone, in microseconds.
 
 Each is timed warm (pages cached and mapped), `cached` (in the page cache, not mapped: minor
 faults) and cold (pages dropped with madvise(MADV_DONTNEED) + posix_fadvise(DONTNEED) before
@@ -25,14 +27,14 @@ latency and IOPS at the same parallelism. A CUDA graph captured over the staged 
 that replays after re-staging read the fresh rows.
 
 The code under test is the module that patch 0001 adds to vLLM, read from the patch file
-itself, so the benchmark needs only torch and safetensors:
+itself, so the benchmark needs only torch, numpy and safetensors:
 
     python3 scripts/ple_ssd/bench_staging.py --dir /var/tmp/ple-bench --table-gib 8 \\
         --out results/ple_ssd_bench.json
 
 JSON output: {"summary": {"METHOD/MODE/TOKENS/tTHREADS": {"median_ms", "p90_ms", "n"}},
-"matches_resident": {"METHOD/TOKENS": bool}, "cuda_graph": {...}, "disk": [...], "environment":
-{...}, "errors": [...], "skipped": [...], "records": [...every timed step, in ms...]}.
+"matches_resident": {"METHOD/TOKENS": bool}, "breakdown_us": {TOKENS: {PART: us}}, "cuda_graph": {...},
+"disk": [...], "environment": {...}, "errors": [...], "skipped": [...], "records": [...every timed step, in ms...]}.
 """
 
 from __future__ import annotations
@@ -340,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         results["summary"] = summarize(results["records"])
-        first = ["summary", "matches_resident", "cuda_graph", "disk", "environment", "errors", "skipped"]
+        first = ["summary", "matches_resident", "breakdown_us", "cuda_graph", "disk", "environment", "errors"]
+        first.append("skipped")
         ordered = {key: results[key] for key in first if key in results}
         ordered["records"] = results["records"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -480,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
             results["disk"].append(disk_random_reads(paths, threads, args.disk_seconds))
         except Exception:
             results["errors"].append({"disk": threads, "error": traceback.format_exc()})
+    try:
+        results["breakdown_us"] = breakdown(tables[thread_counts[0]], hasher, rng, device, token_sizes)
+    except Exception:
+        results["errors"].append({"breakdown": traceback.format_exc()})
     if device.type == "cuda":
         try:
             results["cuda_graph"] = cuda_graph_check(tables[thread_counts[-1]], hasher, resident, rng, device)
@@ -523,6 +530,37 @@ def cuda_graph_check(table, hasher, resident, rng, device) -> dict:
         )
         previous = output.clone()
     report["ok"] = all(r["equals_fresh_rows"] and r["differs_from_previous_step"] for r in report["replays"])
+    return report
+
+
+def breakdown(table, hasher, rng, device, token_sizes, iterations: int = 200) -> dict:
+    """Median microseconds of each part of a decode step's `stage()`, each part timed alone."""
+    report = {}
+    for tokens in token_sizes:
+        if tokens * HEADS > table.direct_copy_max_rows:
+            continue  # the large-step path (device hashing, dedup) is not split up here
+        host = make_step(rng, tokens)
+        dev = tuple(t.to(device) for t in host)
+        arrays = [t.numpy() for t in host]
+        ids = hasher.ids_numpy(*arrays).reshape(-1)
+        staging, out = table.gather_host(ids)
+        parts = {
+            "ids_to_host": lambda dev=dev: table._host_arrays(*dev),  # copies + one wait (no-op on CPU)
+            "hash_numpy": lambda arrays=arrays: hasher.ids_numpy(*arrays),
+            "gather_host": lambda ids=ids: table.gather_host(ids),  # offsets + rows into the pinned buffer
+            "upload_and_sync": lambda out=out, staging=staging: (out.copy_(staging, non_blocking=True), sync(device)),
+            "stage_host_ids_and_sync": lambda host=host: (table.stage(*host), sync(device)),
+            "stage_device_ids_and_sync": lambda dev=dev: (table.stage(*dev), sync(device)),
+        }
+        report[tokens] = {}
+        for name, part in parts.items():
+            part()
+            times = []
+            for _ in range(iterations):
+                begin = time.perf_counter()
+                part()
+                times.append(time.perf_counter() - begin)
+            report[tokens][name] = round(statistics.median(times) * 1e6, 1)
     return report
 
 
@@ -571,6 +609,8 @@ def print_table(results: dict) -> None:
             f"disk 4 KiB random O_DIRECT reads, {disk['threads']:2d} threads: {disk['iops']:.0f} IOPS, "
             f"median {disk['latency_ms_median'] or float('nan'):.3f} ms"
         )
+    for tokens, parts in results.get("breakdown_us", {}).items():
+        print(f"stage() parts, {tokens} tokens, median us:", json.dumps(parts))
     if "cuda_graph" in results:
         print("CUDA graph replays read freshly staged rows:", results["cuda_graph"]["ok"])
     for error in results["errors"]:

@@ -39,6 +39,7 @@ VARIANTS = {
     "dedup": {"direct_copy_max_rows": 0},  # every step unique-and-sorted
     "pool": {"fault_seconds": 0.0, "rows_per_task": 7},  # every gather past the probe over the pool
     "tensor_hash": {"host_hash_max_tokens": 0},  # host hashing with tensor ops
+    "torch_gather": {"numpy_gather_max_rows": 0},  # decode steps gathered by index_select, not numpy
 }
 
 

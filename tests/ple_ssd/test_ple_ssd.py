@@ -73,7 +73,7 @@ def test_0002_requires_0001_and_follows_it_in_the_series():
     assert "Activation: --hf-overrides '{\"ple_mmap\": true}'" in header
 
 
-def test_gather_module_imports_only_torch_and_the_standard_library():
+def test_gather_module_imports_only_torch_numpy_and_the_standard_library():
     module = load_ple_mmap()
     tree = ast.parse(Path(module.__file__).read_text())
     roots = set()
@@ -82,7 +82,7 @@ def test_gather_module_imports_only_torch_and_the_standard_library():
             roots.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             roots.add(node.module.split(".")[0])
-    assert roots - sys.stdlib_module_names == {"torch"}
+    assert roots - sys.stdlib_module_names == {"torch", "numpy"}  # numpy: a vLLM dependency
 
 
 # --------------------------------------------------------------------------- the module alone (CPU)
@@ -205,6 +205,8 @@ def test_host_hasher_matches_the_models_device_hashing(pristine):
     for (input_ids, query_start_loc, context), stock_ids in zip(steps, pristine["ngram_ids"], strict=True):
         assert torch.equal(hasher.ids_tensor(input_ids, query_start_loc, context), stock_ids)
         assert torch.equal(hasher.ids_host(input_ids.tolist(), query_start_loc.tolist(), context.tolist()), stock_ids)
+        numpy_ids = hasher.ids_numpy(input_ids.numpy(), query_start_loc.numpy(), context.numpy())
+        assert torch.equal(torch.from_numpy(numpy_ids), stock_ids)
 
 
 @pytest.mark.slow
@@ -220,7 +222,7 @@ def test_0001_lookup_is_bit_identical_to_the_resident_table(run_ple, overlays, p
 
 @pytest.mark.slow
 def test_0002_stage_then_forward_is_bit_identical_to_the_resident_table(run_ple, overlays, ple_checkpoint, pristine):
-    variants = "default,pool,tensor_hash"
+    variants = "default,pool,tensor_hash,torch_gather"
     result = run_ple(overlays["0002"], "forward", ple_checkpoint, "--ple-mmap", "--stage", "--variants", variants)
     outputs = result.tensors()
     for variant in variants.split(","):
