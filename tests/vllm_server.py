@@ -46,6 +46,23 @@ class ServerDied(RuntimeError):
     pass
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, describe) -> None:
+    """Poll `url`/health until it answers 200. Raise ServerDied if `proc` exits first and
+    TimeoutError after `timeout` s; `describe()` supplies the log excerpt for the message."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise ServerDied(f"server process exited with {proc.returncode} during start-up; {describe()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"server not healthy after {timeout} s; {describe()}")
+
+
 class VllmServer:
     def __init__(
         self,
@@ -103,22 +120,13 @@ class VllmServer:
             self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
         log.close()
-        while time.monotonic() - start < timeout:
-            if self.proc.poll() is not None:
-                raise ServerDied(
-                    f"vLLM server exited with {self.proc.returncode} during start-up; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        self.startup_s = time.monotonic() - start
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"vLLM server not healthy after {timeout} s; log {self.log_path}:\n{self.log_tail()}")
+        try:
+            wait_healthy(self.url, self.proc, timeout, lambda: f"log {self.log_path}:\n{self.log_tail()}")
+        except TimeoutError:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - start
+        return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

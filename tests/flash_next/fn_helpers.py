@@ -6,9 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -19,7 +16,7 @@ sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(TESTS))
 
 from vllm_overlay import vllm_env  # noqa: E402
-from vllm_server import free_port  # noqa: E402
+from vllm_server import free_port, wait_healthy  # noqa: E402
 
 PYTHON = sys.executable  # the test venv's interpreter, which has the CPU build of vLLM
 
@@ -66,23 +63,18 @@ class ServeSh:
     def start(self, timeout: float = 600) -> ServeSh:
         with open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=err, stderr=err, start_new_session=True)
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"serve.sh exited with {self.proc.returncode}; stderr: {self.stderr_path.read_text()}\n"
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        self.started_server_pid = self.server_pid
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"server not healthy after {timeout} s; log:\n{self.log_tail()}")
+        try:
+            wait_healthy(
+                self.url,
+                self.proc,
+                timeout,
+                lambda: f"serve.sh stderr: {self.stderr_path.read_text()}\nlog {self.log_path}:\n{self.log_tail()}",
+            )
+        except TimeoutError:
+            self.stop()
+            raise
+        self.started_server_pid = self.server_pid
+        return self
 
     def stop(self, grace: float = 60) -> int | None:
         if self.proc is None:
