@@ -213,3 +213,39 @@ def build_tiny_qwen35(
     for name in os.listdir(tokenizer_dir):
         shutil.copy(Path(tokenizer_dir) / name, out / name)
     return out
+
+
+def qwen4_exp_text_config(**overrides) -> dict:
+    """config.json fields of a tiny two-layer Qwen4Exp text model (GDN + full attention, 4 experts,
+    hidden 64): the real field names, scaled down. Tests add what they exercise (PLE, MTP)."""
+    config = {
+        "architectures": ["Qwen4ExpForCausalLM"],
+        "model_type": "qwen4_exp_text",
+        "torch_dtype": "bfloat16",
+        "vocab_size": 4096,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "hc_count": 2,
+        "hc_lowrank": 8,
+    }
+    config.update(overrides)
+    return config

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_models import qwen4_exp_text_config
 from vllm_overlay import vllm_env
 
 pytestmark = pytest.mark.slow
@@ -24,36 +25,9 @@ VOCAB, HIDDEN = 4096, 64
 def qwen4_exp_dir(folder: Path, tokenizer_dir: Path, tied: bool) -> tuple[Path, dict]:
     """config.json of a two-layer Qwen4Exp text model with one MTP layer, and its head tensors."""
     folder.mkdir(parents=True)
-    config = {
-        "architectures": ["Qwen4ExpForCausalLM"],
-        "model_type": "qwen4_exp_text",
-        "torch_dtype": "bfloat16",
-        "vocab_size": VOCAB,
-        "hidden_size": HIDDEN,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "layer_types": ["linear_attention", "full_attention"],
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 2,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "eos_token_id": 2,
-        "tie_word_embeddings": tied,
-        "hc_count": 2,
-        "hc_lowrank": 8,
-        "mtp_num_hidden_layers": 1,
-    }
+    config = qwen4_exp_text_config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, tie_word_embeddings=tied, mtp_num_hidden_layers=1
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, folder / name)
