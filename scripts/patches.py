@@ -176,6 +176,27 @@ def parse_patch(name: str, text: str) -> Patch:
     return Patch(name, fields, requires, files)
 
 
+def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
+    """Import the file that a patch creates (its new-file diff) as module `name`, without any
+    vLLM tree: the benchmarks time the very code a patch ships this way."""
+    import importlib.util
+
+    with open(patch_file, encoding="utf-8") as f:
+        patch = parse_patch(os.fspath(patch_file), f.read())
+    created = [fp for fp in patch.files if fp.path == path and not fp.old_exists]
+    if not created:
+        raise ToolError(f"{patch_file} does not create {path}")
+    folder = tempfile.mkdtemp(prefix=f"{name}-")
+    source = os.path.join(folder, os.path.basename(path))
+    with open(source, "w", encoding="utf-8") as f:
+        f.write("".join(line for hunk in created[0].hunks for line in hunk.new_lines))
+    spec = importlib.util.spec_from_file_location(name, source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_series(patches_dir: str) -> list[Patch]:
     series_file = os.path.join(patches_dir, "series")
     if not os.path.exists(series_file):

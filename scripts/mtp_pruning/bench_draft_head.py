@@ -30,11 +30,9 @@ then a table on stdout.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,25 +48,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def load_module_from_patch(patch: Path, path: str = MODULE_PATH):
-    """The file a patch adds (a new-file diff), imported as a module."""
-    lines = patch.read_text().splitlines()
-    start = lines.index(f"diff --git a/{path} b/{path}")
-    body: list[str] = []
-    in_hunk = False
-    for line in lines[start + 1 :]:
-        if line.startswith("diff --git "):
-            break
-        if line.startswith("@@"):
-            in_hunk = True
-        elif in_hunk and line.startswith("+"):
-            body.append(line[1:])
-    target = Path(tempfile.mkdtemp()) / "draft_vocab.py"
-    target.write_text("\n".join(body) + "\n")
-    spec = importlib.util.spec_from_file_location("draft_vocab", target)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["draft_vocab"] = module
-    spec.loader.exec_module(module)
-    return module
+    """The new file that a patch adds, imported as a module (the patch tool's own parser)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import patches
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return patches.load_new_module(patch, path, "draft_vocab")
 
 
 def padded(rows: int) -> int:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import importlib.util
 import json
 import mmap
 import os
@@ -50,7 +49,6 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -72,24 +70,13 @@ STEPS = {1: (1, 1), 4: (1, 4), 16: (4, 4), 32: (8, 4), 2048: (1, 2048)}
 
 
 def load_module_from_patch(patch: Path, path: str = MODULE_PATH):
-    """Import the new file that a patch adds (the `+` lines of its `/dev/null` hunk)."""
-    lines = patch.read_text().splitlines()
-    start = lines.index(f"diff --git a/{path} b/{path}")
-    source, in_hunk = [], False
-    for line in lines[start + 1 :]:
-        if line.startswith("diff --git "):
-            break
-        if line.startswith("@@"):
-            in_hunk = True
-        elif in_hunk and line.startswith("+"):
-            source.append(line[1:])
-    folder = Path(tempfile.mkdtemp(prefix="ple_mmap_"))
-    (folder / "ple_mmap.py").write_text("\n".join(source) + "\n")
-    spec = importlib.util.spec_from_file_location("ple_mmap", folder / "ple_mmap.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ple_mmap"] = module
-    spec.loader.exec_module(module)
-    return module
+    """The new file that a patch adds, imported as a module (the patch tool's own parser)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import patches
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return patches.load_new_module(patch, path, "ple_mmap")
 
 
 # --------------------------------------------------------------------------- table on disk
