@@ -146,6 +146,8 @@ say "Side by side (identical outputs: the c=1 bench's token ids against the firs
 "$python" "$tools/report.py" --compare "${runs[@]}"
 echo
 echo "results: $workdir/results   report: $report   ($(($(date +%s) - start)) s in all)"
+echo "GSM8K at 0 % is expected: the tiny model only counts upwards (next id = previous id + 1); the run"
+echo "shows the evaluation pipeline works (answers extracted, truncations counted), not accuracy."
 echo "not shown here: ple-ssd (the n-gram table on disk) belongs to Qwen4Exp models; the tiny model has no"
 echo "table. tests/ple_ssd exercises it on CPU; on a GPU box serve Flash-Next with PLE=1 (the default)."
 for item in "${skipped[@]}"; do
