@@ -9,9 +9,7 @@ cd "$root"
 
 "$root/tests/env/setup_system.sh"
 "$root/tests/env/setup.sh"
-if [ -x "$root/tests/env/setup_nix.sh" ]; then
-  "$root/tests/env/setup_nix.sh"
-fi
+"$root/tests/env/setup_nix.sh"
 
 # Lint first: it takes seconds and fails fast.
 "$root/.venv/bin/ruff" check .

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What tests/nix needs: Debian's nix-bin (nix-instantiate parses and evaluates the flake's pure
-# parts; nixpkgs itself cannot be fetched here), shellcheck, and a small venv with a pip that
+# What tests/nix needs besides Debian's nix-bin and shellcheck (tests/env/setup_system.sh installs
+# those; nix-instantiate parses and evaluates the flake's pure parts): a small venv with a pip that
 # knows --uploaded-prior-to (26.0+) for scripts/nix/pin_wheels.py --check.
 #
 # usage: tests/env/setup_nix.sh
@@ -12,20 +12,13 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 tools=${NIX_TOOLS:-$root/.cache/nix-tools}
 pip_version=26.3
 
-missing=()
-command -v nix-instantiate >/dev/null || missing+=(nix-bin)
-command -v shellcheck >/dev/null || missing+=(shellcheck)
-if [ "${#missing[@]}" -gt 0 ]; then
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "error: missing Debian packages ${missing[*]}; as root: apt-get install -y ${missing[*]}" >&2
+# nix-bin and shellcheck come from Debian, installed by tests/env/setup_system.sh.
+for tool in nix-instantiate shellcheck; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "error: $tool is missing; run tests/env/setup_system.sh (as root) first" >&2
     exit 1
   fi
-  start=$(date +%s)
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  echo "nix tools: installed ${missing[*]} in $(($(date +%s) - start)) s"
-fi
+done
 
 if [ "$("$tools/bin/python" -m pip --version 2>/dev/null | cut -d' ' -f2)" != "$pip_version" ]; then
   start=$(date +%s)
