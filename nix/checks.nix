@@ -22,7 +22,7 @@ let
     version = "0.29.0";
     hash = "sha256-wD/rB5Q+yunmnn3EJNfFVp7PjRKSUTrvKk3mevOBzZc=";
   };
-  seriesFiles = magpieLib.seriesPatches ../patches;
+  seriesFiles = magpieLib.seriesPatches ../patches/vllm-0.29.0;
   testPython = python312.withPackages (ps: [
     ps.pytest
     ps.pytest-timeout

@@ -15,8 +15,8 @@ let
   pin = pins.wheels.${pins.root};
   # Read at evaluation time from patches/series; each patch becomes its own store path, so
   # editing one patch rebuilds this package and nothing under it.
-  series = magpieLib.parseSeries (builtins.readFile ../patches/series);
-  seriesFiles = magpieLib.seriesPatches ../patches;
+  series = magpieLib.parseSeries (builtins.readFile ../patches/vllm-0.29.0/series);
+  seriesFiles = magpieLib.seriesPatches ../patches/vllm-0.29.0;
 in
 python.pkgs.buildPythonPackage {
   pname = "vllm";

@@ -126,7 +126,7 @@ measure mtp3 "MTP k=3" "mtp=3 draft_head=full" MTP=3 PROFILE=1
 
 runs=("$workdir/results/mtp-off" "$workdir/results/mtp3")
 skipped=()
-if [ -x "$root/scripts/mtp_pruning/fit_keepset.py" ] && grep -q '^mtp-pruning/' "$root/patches/series"; then
+if [ -x "$root/scripts/mtp_pruning/fit_keepset.py" ] && grep -q '^mtp-pruning/' "$root/patches/vllm-0.29.0/series"; then
   say "6. Fit a keep-set from the model's own generations (MTP k=3 run), serve with the pruned draft head"
   keep="$workdir/keep.npy"
   mtp3="$workdir/results/mtp3"

@@ -3,7 +3,9 @@
 
 The target is either a vLLM source tree (a checkout or an unpacked sdist) or an installed
 package (the site-packages folder of a venv, found from its Python interpreter). Patches are
-listed in apply order in `patches/series`; each states what it requires in its header.
+listed in apply order in one series per vLLM release (`patches/vllm-<version>/series`); the
+tool picks the series that matches the target's vLLM version (`--series` picks another). Each
+patch states what it requires in its header.
 
     scripts/patches.py status --python ~/venvs/vllm/bin/python
     scripts/patches.py apply ple-ssd --python ~/venvs/vllm/bin/python
@@ -195,6 +197,59 @@ def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+SERIES_PREFIX = "vllm-"
+
+
+def release_of(version: str) -> str:
+    """The release a version string belongs to: "0.29.0+cpu" -> "0.29.0", "0.33.0rc1" -> "0.33.0"."""
+    m = re.match(r"(\d+(?:\.\d+)*)", version)
+    return m.group(1) if m else version
+
+
+def available_series(root: str) -> dict[str, str]:
+    """{release: folder} of the series folders (`vllm-<release>/series`) under `root`."""
+    found = {}
+    for series_file in glob.glob(os.path.join(root, SERIES_PREFIX + "*", "series")):
+        folder = os.path.dirname(series_file)
+        found[os.path.basename(folder).removeprefix(SERIES_PREFIX)] = folder
+
+    def key(release: str) -> tuple:
+        return tuple(int(x) if x.isdigit() else -1 for x in release.split("."))
+
+    return {release: found[release] for release in sorted(found, key=key)}
+
+
+def series_dir(patches_dir: str, version: str | None, wanted: str | None = None) -> str:
+    """The folder holding the series to use.
+
+    `patches_dir` is either one series folder (it holds a `series` file) or the root that holds
+    one `vllm-<release>/` folder per supported release. From the root, `wanted` (a release such as
+    "0.33.0") picks a series; otherwise the target's `version` does.
+    """
+    if os.path.isfile(os.path.join(patches_dir, "series")):
+        if wanted:
+            raise ToolError(f"--series {wanted}: {patches_dir} is a single series folder; give the root instead")
+        return patches_dir
+    found = available_series(patches_dir)
+    if not found:
+        raise ToolError(f"no series under {patches_dir} (expected {SERIES_PREFIX}<release>/series folders)")
+    listing = ", ".join(found)
+    if wanted:
+        release = release_of(wanted.removeprefix(SERIES_PREFIX))
+        if release not in found:
+            raise ToolError(f"--series {wanted}: no such series; series exist for vLLM {listing}")
+        return found[release]
+    release = release_of(version or "unknown")
+    if release in found:
+        return found[release]
+    newest = list(found)[-1]
+    raise ToolError(
+        f"no series for vLLM {version}; series exist for vLLM {listing}. "
+        f"Try one as it is with `--series {newest} check`, or carry it onto this release with "
+        f"`scripts/patches.py rebase` (see patches/README.md)"
+    )
 
 
 def load_series(patches_dir: str) -> list[Patch]:
@@ -586,8 +641,9 @@ def run_plan(tree: Tree, plan: list[Patch], reverse: bool) -> None:
             raise Refusal(f"{patch.name} is {CONFLICTING}: {e}") from e
 
 
-def print_table(target: Target, patches: list[Patch], states) -> None:
+def print_table(target: Target, folder: str, patches: list[Patch], states) -> None:
     print(f"vLLM {target.version} ({target.kind}) at {target.root}")
+    print(f"series {os.path.join(folder, 'series')}")
     width = max([len(p.name) for p in patches] + [5])
     print(f"  {'PATCH':<{width}}  {'STATE':<11}  DETAIL")
     for patch in patches:
@@ -609,7 +665,12 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument(
         "--patches-dir",
         default=os.path.normpath(PATCHES_DIR),
-        help="folder with the series file and the patches (default: %(default)s)",
+        help="the root with one vllm-<release>/ series folder per release, or one series folder (default: %(default)s)",
+    )
+    common.add_argument(
+        "--series",
+        metavar="RELEASE",
+        help="use this release's series (e.g. 0.33.0) instead of the one matching the target's vLLM version",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p_status = sub.add_parser("status", parents=[common], help="report each patch: applied, not applied, conflicting")
@@ -639,16 +700,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        patches = load_series(args.patches_dir)
         if args.command == "list":
-            for patch in patches:
-                print(patch.name)
-                for key in ("description", "requires", "target", "activation"):
-                    value = ", ".join(patch.requires) if key == "requires" else patch.fields.get(key, "")
-                    first = value.splitlines()[0] if value else "none"
-                    print(f"    {key}: {first}")
+            if args.target or args.python:
+                version = find_target(args.target, args.python).version
+                folders = [series_dir(args.patches_dir, version, args.series)]
+            elif os.path.isfile(os.path.join(args.patches_dir, "series")) or args.series:
+                folders = [series_dir(args.patches_dir, None, args.series)]
+            else:
+                folders = list(available_series(args.patches_dir).values())
+                if not folders:
+                    series_dir(args.patches_dir, None)  # raises: no series at all
+            for folder in folders:
+                print(f"series {os.path.relpath(os.path.join(folder, 'series'))}")
+                for patch in load_series(folder):
+                    print(f"  {patch.name}")
+                    for key in ("description", "requires", "target", "activation"):
+                        value = ", ".join(patch.requires) if key == "requires" else patch.fields.get(key, "")
+                        first = value.splitlines()[0] if value else "none"
+                        print(f"      {key}: {first}")
             return 0
         target = find_target(args.target, args.python)
+        folder = series_dir(args.patches_dir, target.version, args.series)
+        patches = load_series(folder)
         chosen = select(patches, args.names)
         tree = Tree(target.root)
         states = compute_states(tree, patches)
@@ -657,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 record = {
                     "target": dataclasses.asdict(target),
+                    "series": os.path.abspath(folder),
                     "patches": [
                         {
                             "name": p.name,
@@ -669,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 print(json.dumps(record, indent=2))
             else:
-                print_table(target, chosen, states)
+                print_table(target, folder, chosen, states)
             if any(states[p.name][0] == CONFLICTING for p in chosen):
                 return 3
             if args.require_applied and any(states[p.name][0] != APPLIED for p in chosen):

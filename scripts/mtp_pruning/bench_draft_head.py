@@ -38,7 +38,7 @@ from pathlib import Path
 
 SCHEMA = "mtp-pruning/bench-draft-head/1"
 REPO = Path(__file__).resolve().parent.parent.parent
-PATCH = REPO / "patches" / "mtp-pruning" / "0001-draft-vocab-pruning.patch"
+PATCH = REPO / "patches" / "vllm-0.29.0" / "mtp-pruning" / "0001-draft-vocab-pruning.patch"
 MODULE_PATH = "vllm/v1/spec_decode/draft_vocab.py"
 PAD = 64  # DEFAULT_VOCAB_PADDING_SIZE of vLLM's ParallelLMHead
 

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_PATCH = REPO / "patches" / "ple-ssd" / "0001-ple-mmap-table.patch"
+DEFAULT_PATCH = REPO / "patches" / "vllm-0.29.0" / "ple-ssd" / "0001-ple-mmap-table.patch"
 MODULE_PATH = "vllm/models/qwen4_exp/ple_mmap.py"
 ROW_WIDTH = 160
 NGRAM_SIZE, HEADS_PER_NGRAM = 3, 8

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
-PATCH = REPO / "patches" / "mtp-pruning" / "0001-draft-vocab-pruning.patch"
+PATCH = REPO / "patches" / "vllm-0.29.0" / "mtp-pruning" / "0001-draft-vocab-pruning.patch"
 TOOL = REPO / "scripts" / "patches.py"
 TOUCHED = [
     "vllm/config/speculative.py",

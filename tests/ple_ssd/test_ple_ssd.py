@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-PATCHES = REPO / "patches"
+PATCHES = REPO / "patches" / "vllm-0.29.0"
 sys.path.insert(0, str(HERE))
 
 import ple_runner  # noqa: E402
