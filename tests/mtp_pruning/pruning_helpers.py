@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import json
+import struct
 import sys
 from pathlib import Path
 
@@ -60,8 +62,62 @@ def write_malformed_keepsets(folder: Path, vocab_size: int) -> dict[str, tuple[P
     save("duplicate", torch.tensor([1, 4, 4, 8]), "duplicate id 4 at indices 1 and 2", ".pt")
     save("negative", np.array([-1, 2, 3], dtype=np.int32), "id -1 at index 0 is negative")
     save("out_of_range", np.array([0, 7, vocab_size], dtype=np.int64), f"id {vocab_size} at index 2 is out of range")
+    save("identity", np.arange(vocab_size, dtype=np.int64), f"keeps all {vocab_size} ids of the vocabulary")
     cases["missing"] = (folder / "missing.pt", "no such file")
     marker = folder / "CODE-RAN"
     save("pickle", {"ids": _RunsCodeWhenLoaded(marker)}, "refused: loading it would run code", ".pt")
     save("object_npy", np.array([1, "x"], dtype=object), "holds Python objects")
+    # Hand-written .safetensors headers that parse as JSON but are not a tensor entry.
+    for name, header in (
+        ("safetensors_list_header", [1, 2]),
+        ("safetensors_no_offsets", {"ids": {"dtype": "I64", "shape": [2]}}),
+        ("safetensors_bad_shape", {"ids": {"dtype": "I64", "shape": [-2], "data_offsets": [0, 16]}}),
+    ):
+        raw = json.dumps(header).encode()
+        path = folder / f"{name}.safetensors"
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(16))
+        cases[name] = (path, "has an unreadable .safetensors header")
     return cases
+
+
+MALFORMED_CASES = [
+    "float",
+    "two_d",
+    "empty",
+    "unsorted",
+    "duplicate",
+    "negative",
+    "out_of_range",
+    "identity",
+    "missing",
+    "pickle",
+    "object_npy",
+    "safetensors_list_header",
+    "safetensors_no_offsets",
+    "safetensors_bad_shape",
+]
+
+
+def qwen4_exp_dir(folder: Path, tokenizer_dir: Path, tied: bool, vocab_size: int = 4096, hidden_size: int = 64):
+    """A two-layer Qwen4Exp text model's config.json with one MTP layer, and its head tensors (saved)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from tiny_models import qwen4_exp_text_config
+
+    folder.mkdir(parents=True)
+    config = qwen4_exp_text_config(
+        vocab_size=vocab_size, hidden_size=hidden_size, tie_word_embeddings=tied, mtp_num_hidden_layers=1
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    generator = torch.Generator().manual_seed(1 + tied)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(vocab_size, hidden_size, generator=generator).to(torch.bfloat16)
+    }
+    if not tied:
+        tensors["lm_head.weight"] = torch.randn(vocab_size, hidden_size, generator=generator).to(torch.bfloat16)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder, tensors

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pruning_helpers import write_malformed_keepsets
+from pruning_helpers import MALFORMED_CASES, write_malformed_keepsets
 
 VOCAB = 4096
 
@@ -17,10 +17,7 @@ def malformed(tmp_path_factory):
     return write_malformed_keepsets(tmp_path_factory.mktemp("malformed"), VOCAB)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["float", "two_d", "empty", "unsorted", "duplicate", "negative", "out_of_range", "missing", "pickle", "object_npy"],
-)
+@pytest.mark.parametrize("case", MALFORMED_CASES)
 def test_malformed_keepset_is_refused_naming_file_and_rule(draft_vocab, malformed, case):
     path, message = malformed[case]
     with pytest.raises(draft_vocab.DraftVocabError) as info:

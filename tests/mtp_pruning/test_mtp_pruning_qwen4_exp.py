@@ -3,8 +3,6 @@ on the CPU with a keep-set, its head fed the checkpoint's head (or, tied, the em
 
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,31 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
-from tiny_models import qwen4_exp_text_config
+from pruning_helpers import qwen4_exp_dir
 from vllm_overlay import vllm_env
 
 pytestmark = pytest.mark.slow
 
 PROBE = Path(__file__).resolve().parent / "qwen4_exp_mtp_probe.py"
-VOCAB, HIDDEN = 4096, 64
-
-
-def qwen4_exp_dir(folder: Path, tokenizer_dir: Path, tied: bool) -> tuple[Path, dict]:
-    """config.json of a two-layer Qwen4Exp text model with one MTP layer, and its head tensors."""
-    folder.mkdir(parents=True)
-    config = qwen4_exp_text_config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, tie_word_embeddings=tied, mtp_num_hidden_layers=1
-    )
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
-    generator = torch.Generator().manual_seed(1 + tied)
-    tensors = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=generator).to(torch.bfloat16)}
-    if not tied:
-        tensors["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=generator).to(torch.bfloat16)
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder, tensors
+VOCAB = 4096
 
 
 @pytest.fixture(scope="module")

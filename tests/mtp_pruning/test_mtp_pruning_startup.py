@@ -1,4 +1,5 @@
-"""A bad keep-set stops vLLM while the configuration is built, in seconds, before any worker starts."""
+"""A bad keep-set, or a draft class without the pruning hook (ROCm's Qwen4ExpMTP), stops vLLM while
+the configuration is built, in seconds, before any worker starts."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from pruning_helpers import write_malformed_keepsets
+from pruning_helpers import MALFORMED_CASES, qwen4_exp_dir, write_malformed_keepsets
 from vllm_overlay import vllm_env
 from vllm_server import VllmServer
 
@@ -59,10 +61,7 @@ def config_outcomes(tmp_path_factory, tiny_mtp_model, pruning_overlay):
     return outcomes, malformed, folder
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["float", "two_d", "empty", "unsorted", "duplicate", "negative", "out_of_range", "missing", "pickle", "object_npy"],
-)
+@pytest.mark.parametrize("case", MALFORMED_CASES)
 def test_malformed_keepset_fails_config_with_its_message(config_outcomes, case):
     outcomes, malformed, _ = config_outcomes
     path, message = malformed[case]
@@ -84,10 +83,68 @@ def test_valid_keepset_passes_config_and_turns_on_local_argmax(config_outcomes):
     assert outcomes["good"]["local_argmax"] is True
 
 
+# The class vLLM's registry resolves Qwen4ExpMTP to on ROCm: vllm.models.qwen4_exp's __getattr__
+# imports it from amd/mtp.py there (nvidia/mtp.py elsewhere). The probe registers that real class for
+# the architecture, as the dispatch would on ROCm, then builds the config as `vllm serve` does.
+PLATFORM_PROBE = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+model, keep, register = sys.argv[1], sys.argv[2], sys.argv[3]
+if register:
+    from vllm import ModelRegistry
+    ModelRegistry.register_model("Qwen4ExpMTP", register)
+try:
+    config = EngineArgs(
+        model=model, max_model_len=256, enforce_eager=True, enable_prefix_caching=False,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1, "draft_vocab_path": keep},
+    ).create_engine_config()
+    result = {"ok": True, "architectures": config.speculative_config.draft_model_config.architectures}
+except Exception as e:
+    result = {"ok": False, "error": str(e)}
+print("RESULT " + json.dumps(result), flush=True)
+"""
+ROCM_QWEN4_EXP_MTP = "vllm.models.qwen4_exp.amd.mtp:Qwen4ExpMTP"
+
+
+@pytest.fixture(scope="module")
+def platform_outcomes(tmp_path_factory, tokenizer_dir, pruning_overlay):
+    import numpy as np
+
+    folder = tmp_path_factory.mktemp("qwen4-exp-platform")
+    model, _ = qwen4_exp_dir(folder / "model", Path(tokenizer_dir), tied=False)
+    np.save(folder / "keep.npy", np.arange(0, 4096, 7, dtype=np.int64))
+    outcomes = {}
+    for name, register in (("this_platform", ""), ("rocm_class", ROCM_QWEN4_EXP_MTP)):
+        proc = subprocess.run(
+            [sys.executable, "-c", PLATFORM_PROBE, str(model), str(folder / "keep.npy"), register],
+            env=vllm_env(pruning_overlay),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outcomes[name] = json.loads(lines[-1][len("RESULT ") :])
+    return outcomes
+
+
+def test_qwen4_exp_draft_on_this_platform_passes_config(platform_outcomes):
+    assert platform_outcomes["this_platform"] == {"ok": True, "architectures": ["Qwen4ExpMTP"]}
+
+
+def test_qwen4_exp_draft_class_without_hook_is_refused_at_config(platform_outcomes):
+    outcome = platform_outcomes["rocm_class"]
+    assert not outcome["ok"]
+    assert "draft_vocab_path is not supported for the MTP draft Qwen4ExpMTP on this platform (cpu)" in outcome["error"]
+    assert "vllm.models.qwen4_exp.amd.mtp.Qwen4ExpMTP, which has no draft-vocab pruning hook" in outcome["error"]
+    assert "Drop draft_vocab_path on this platform" in outcome["error"]
+
+
 @pytest.mark.slow
-def test_server_with_bad_keepset_exits_before_any_worker(tmp_path, tiny_mtp_model, pruning_overlay):
+@pytest.mark.parametrize("case", ["pickle", "identity"])
+def test_server_with_bad_keepset_exits_before_any_worker(tmp_path, tiny_mtp_model, pruning_overlay, case):
     malformed = write_malformed_keepsets(tmp_path / "keepsets", 4096)
-    path, message = malformed["pickle"]
+    path, message = malformed[case]
     spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_path": str(path)}
     server = VllmServer(
         tiny_mtp_model,
