@@ -10,6 +10,7 @@ patch states what it requires in its header.
     scripts/patches.py status --python ~/venvs/vllm/bin/python
     scripts/patches.py apply ple-ssd --python ~/venvs/vllm/bin/python
     scripts/patches.py revert --target ~/src/vllm
+    scripts/patches.py rebase --base ~/sdist/vllm-0.29.0 --target ~/src/vllm   # onto another release
 
 Everything is checked before anything changes: an apply or revert that cannot go through
 completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not).
@@ -25,10 +26,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import glob
+import hashlib
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -201,6 +206,37 @@ def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
 
 SERIES_PREFIX = "vllm-"
 
+REBASE_HELP = """\
+Carry a series from the vLLM release it was written for onto another release's source.
+
+For each patch, in series order, and each file it touches, three versions are merged: the file
+in the pristine base release (--base, with the series' earlier patches applied), the same file
+with the patch applied, and the file in the new release (--target or --python, with the earlier
+rebased patches applied). Where upstream left a file as it was, the patch's section is kept
+verbatim; where it changed, the patch's change is merged in (a diff3-style merge done with the
+standard library's difflib: git is not needed). Files a patch creates are carried as they are.
+
+The rebased patches keep their headers (`Target:` names the new release, `Rebased-From:` the old
+one) and go, with a series file, into PATCHES_DIR/vllm-<new release>/ (or --output DIR); an
+existing folder is replaced only with --force. Before writing, every rebased patch is applied in
+memory to the new tree to check that it reproduces the merge.
+
+If any hunk needs a hand (upstream changed the lines a hunk changes, moved or removed a file the
+patch edits, or already has a file the patch creates) each one is reported: the patch, the file,
+the patch's hunk, and the region as the old release had it, as the new release has it, and as
+the patch makes it. Then NOTHING is written (exit 1): carry the patches that merge cleanly alone
+(`rebase NAME ...`), or finish by hand (patches/README.md says how).
+
+    python3 tests/env/fetch_sdist.py 0.29.0 ~/sdist        # a pristine base tree (or a checkout)
+    scripts/patches.py rebase --base ~/sdist/vllm-0.29.0 --python ~/venvs/vllm-0.31/bin/python
+    scripts/patches.py rebase mtp-pruning --series 0.29.0 --base ~/sdist/vllm-0.29.0 \\
+        --target ~/src/vllm --output /tmp/vllm-0.31.0-series
+
+--series picks the series to carry (default: the one for --base's release). Neither tree is
+changed. Exit codes: 0 written; 1 conflicts or the output exists (nothing written); 2 usage or
+target error.
+"""
+
 
 def release_of(version: str) -> str:
     """The release a version string belongs to: "0.29.0+cpu" -> "0.29.0", "0.33.0rc1" -> "0.33.0"."""
@@ -215,10 +251,43 @@ def available_series(root: str) -> dict[str, str]:
         folder = os.path.dirname(series_file)
         found[os.path.basename(folder).removeprefix(SERIES_PREFIX)] = folder
 
-    def key(release: str) -> tuple:
-        return tuple(int(x) if x.isdigit() else -1 for x in release.split("."))
+    return {release: found[release] for release in sorted(found, key=_release_key)}
 
-    return {release: found[release] for release in sorted(found, key=key)}
+
+class NoSeries(ToolError):
+    """No series matches the target's release; says which exist and how to try or carry one."""
+
+    def __init__(self, version: str, found: dict[str, str]):
+        self.version, self.found = version, found
+        self.nearest = nearest_series(release_of(version), list(found))
+        super().__init__(self.advice("--target DIR"))
+
+    def advice(self, where: str) -> str:
+        listing = ", ".join(self.found)
+        release = release_of(self.version)
+        return (
+            f"no series for vLLM {self.version}; series exist for vLLM {listing}.\n"
+            f"  try the nearest one as it is:\n"
+            f"    scripts/patches.py check --series {self.nearest} {where}\n"
+            f"  or carry it onto {release} (three-way merge, writes patches/{SERIES_PREFIX}{release}/):\n"
+            f"    scripts/patches.py rebase --series {self.nearest} --base PRISTINE-{self.nearest}-TREE {where}\n"
+            f"  (a pristine {self.nearest} tree: `python3 tests/env/fetch_sdist.py {self.nearest} DIR` or a vLLM "
+            f"checkout at v{self.nearest}; see patches/README.md)"
+        )
+
+
+def _release_key(release: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else -1 for x in release.split("."))
+
+
+def nearest_series(release: str, releases: list[str]) -> str:
+    """The series closest to `release` by minor version (the older one on a tie)."""
+
+    def distance(other: str) -> tuple:
+        a, b = (_release_key(release) + (0, 0, 0))[:3], (_release_key(other) + (0, 0, 0))[:3]
+        return (abs(a[0] - b[0]), abs(a[1] - b[1]), abs(a[2] - b[2]), b > a)
+
+    return min(releases, key=distance)
 
 
 def series_dir(patches_dir: str, version: str | None, wanted: str | None = None) -> str:
@@ -226,7 +295,7 @@ def series_dir(patches_dir: str, version: str | None, wanted: str | None = None)
 
     `patches_dir` is either one series folder (it holds a `series` file) or the root that holds
     one `vllm-<release>/` folder per supported release. From the root, `wanted` (a release such as
-    "0.33.0") picks a series; otherwise the target's `version` does.
+    "0.33.0") picks a series; otherwise the target's `version` does (NoSeries if none matches).
     """
     if os.path.isfile(os.path.join(patches_dir, "series")):
         if wanted:
@@ -244,12 +313,7 @@ def series_dir(patches_dir: str, version: str | None, wanted: str | None = None)
     release = release_of(version or "unknown")
     if release in found:
         return found[release]
-    newest = list(found)[-1]
-    raise ToolError(
-        f"no series for vLLM {version}; series exist for vLLM {listing}. "
-        f"Try one as it is with `--series {newest} check`, or carry it onto this release with "
-        f"`scripts/patches.py rebase` (see patches/README.md)"
-    )
+    raise NoSeries(version or "unknown", found)
 
 
 def load_series(patches_dir: str) -> list[Patch]:
@@ -531,6 +595,464 @@ def find_target(target: str | None, python: str | None) -> Target:
 
 
 # --------------------------------------------------------------------------------------------
+# Rebasing a series onto another release: a three-way merge per file, stdlib only (difflib)
+
+
+@dataclasses.dataclass
+class MergeConflict:
+    patch: str
+    path: str
+    hunks: list[str]  # the patch's hunks that touch the region, e.g. "hunk 3 (@@ -1507,8 +1519,57 @@ ...)"
+    base: tuple[int, list[str]] | None  # (first line, lines) in the release the series was written for
+    ours: tuple[int, list[str]] | None  # the same region in the new release (None: file absent)
+    theirs: tuple[int, list[str]] | None  # what the patch makes of it (None: the patch deletes the file)
+    reason: str
+
+
+def _matches_of(a: list[str], b: list[str]) -> dict[int, int]:
+    """Line i of `a` -> line j of `b` for the lines difflib pairs up (monotonic)."""
+    pairs: dict[int, int] = {}
+    for i, j, n in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        for k in range(n):
+            pairs[i + k] = j + k
+    return pairs
+
+
+def merge3(base: list[str], ours: list[str], theirs: list[str]):
+    """diff3-style merge of the change base -> theirs into ours.
+
+    Returns (lines, conflicts); each conflict is (base_start, base_chunk, ours_start, ours_chunk,
+    theirs_start, theirs_chunk), and `lines` keeps ours' side where a conflict is.
+    """
+    to_ours, to_theirs = _matches_of(base, ours), _matches_of(base, theirs)
+    merged: list[str] = []
+    conflicts = []
+    o = a = b = 0  # positions in base, theirs, ours
+    while o < len(base) or a < len(theirs) or b < len(ours):
+        if o < len(base) and to_ours.get(o) == b and to_theirs.get(o) == a:
+            merged.append(base[o])
+            o, a, b = o + 1, a + 1, b + 1
+            continue
+        nxt = o
+        while nxt < len(base) and not (nxt in to_ours and nxt in to_theirs):
+            nxt += 1
+        b2 = to_ours[nxt] if nxt < len(base) else len(ours)
+        a2 = to_theirs[nxt] if nxt < len(base) else len(theirs)
+        chunk_o, chunk_b, chunk_a = base[o:nxt], ours[b:b2], theirs[a:a2]
+        if chunk_b == chunk_o or chunk_b == chunk_a:
+            merged.extend(chunk_a)
+        elif chunk_a == chunk_o:
+            merged.extend(chunk_b)
+        else:
+            both = _merge_disjoint(chunk_o, chunk_b, chunk_a)
+            if both is None:
+                conflicts.append((o, chunk_o, b, chunk_b, a, chunk_a))
+                merged.extend(chunk_b)
+            else:
+                merged.extend(both)
+        o, a, b = nxt, a2, b2
+    return merged, conflicts
+
+
+def _edits(base: list[str], other: list[str]) -> list[tuple[int, int, list[str]]]:
+    ops = difflib.SequenceMatcher(None, base, other, autojunk=False).get_opcodes()
+    return [(i1, i2, other[j1:j2]) for tag, i1, i2, j1, j2 in ops if tag != "equal"]
+
+
+def _merge_disjoint(base: list[str], ours: list[str], theirs: list[str]) -> list[str] | None:
+    """Both sides' edits of one region when they touch different lines of it, else None.
+
+    Upstream and the patch changing neighbouring lines (a line the patch edits next to lines
+    upstream inserted, or a decorator upstream removed above a line the patch edits) is common
+    across releases; edits of the same line, or insertions at the same place, stay conflicts.
+    """
+    mine = _edits(base, ours)
+    other = [edit for edit in _edits(base, theirs) if edit not in mine]  # the same edit on both sides
+    for x1, x2, _ in mine:
+        for y1, y2, _ in other:
+            if max(x1, y1) < min(x2, y2):  # both change a line
+                return None
+            if (x1 == x2 and y1 < x1 < y2) or (y1 == y2 and x1 < y1 < x2):  # insertion inside a change
+                return None
+            if x1 == x2 == y1 == y2:  # insertions at the same place: the order is a question
+                return None
+    # Apply from the bottom up; at one position an insertion goes before a change that starts there.
+    edits = sorted(mine + other, key=lambda e: (e[0], e[1] != e[0]), reverse=True)
+    result = list(base)
+    for i1, i2, lines in edits:
+        result[i1:i2] = lines
+    return result
+
+
+def _git_blob(text: str | None) -> str:
+    if text is None:
+        return "0000000"
+    data = text.encode("utf-8")
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()[:7]
+
+
+def _unified_range(start: int, length: int) -> str:
+    first = start + 1 if length else start
+    return str(first) if length == 1 else f"{first},{length}"
+
+
+def _funcname(lines: list[str], before: int) -> str:
+    """git's default hunk-header context: the last line above the hunk that starts a definition."""
+    for line in reversed(lines[:before]):
+        if re.match(r"[A-Za-z_$]", line):
+            return " " + line.rstrip("\n")[:80].rstrip()
+    return ""
+
+
+def file_diff(path: str, before: str | None, after: str | None, context: int = 3) -> str:
+    """A git-style diff section (what `git diff` writes) turning `before` into `after`."""
+    old, new = split_lines(before or ""), split_lines(after or "")
+    out = [f"diff --git a/{path} b/{path}\n"]
+    if before is None:
+        out.append("new file mode 100644\n")
+    elif after is None:
+        out.append("deleted file mode 100644\n")
+    mode = "" if before is None or after is None else " 100644"
+    out.append(f"index {_git_blob(before)}..{_git_blob(after)}{mode}\n")
+    out.append("--- /dev/null\n" if before is None else f"--- a/{path}\n")
+    out.append("+++ /dev/null\n" if after is None else f"+++ b/{path}\n")
+
+    def body(tag: str, line: str) -> None:
+        out.append(tag + line if line.endswith("\n") else f"{tag}{line}\n\\ No newline at end of file\n")
+
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for group in matcher.get_grouped_opcodes(context):
+        i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
+        out.append(f"@@ -{_unified_range(i1, i2 - i1)} +{_unified_range(j1, j2 - j1)} @@{_funcname(old, i1)}\n")
+        for tag, x1, x2, y1, y2 in group:
+            if tag == "equal":
+                for line in old[x1:x2]:
+                    body(" ", line)
+                continue
+            for line in old[x1:x2]:
+                body("-", line)
+            for line in new[y1:y2]:
+                body("+", line)
+    return "".join(out)
+
+
+def _sections(text: str) -> list[str]:
+    """The `diff --git` sections of a patch, verbatim, in order."""
+    starts = [m.start() for m in re.finditer(r"^diff --git ", text, re.M)]
+    return [text[s:e] for s, e in zip(starts, starts[1:] + [len(text)], strict=True)]
+
+
+def _hunks_over(fp: FilePatch, start: int, length: int) -> list[str]:
+    """The patch's hunks (numbered from 1) whose old range meets base lines [start, start+length)."""
+    names = []
+    for index, hunk in enumerate(fp.hunks, 1):
+        h_start = max(hunk.old_start - 1, 0)
+        h_end = h_start + len(hunk.old_lines)
+        if start < h_end and h_start < start + length or (length == 0 and h_start <= start <= h_end):
+            names.append(f"hunk {index} ({hunk.header})")
+    return names or ["(between hunks)"]
+
+
+@dataclasses.dataclass
+class Carried:
+    patch: Patch
+    text: str  # the rebased patch file
+    files: dict[str, str | None]  # the new release's files after this patch
+    how: dict[str, str]  # path -> "unchanged upstream" / "merged" / "new file"
+
+
+def rebase_series(
+    patches: list[Patch],
+    texts: dict[str, str],
+    base: Tree,
+    new: Tree,
+    old_release: str,
+    new_release: str,
+    log=print,
+) -> tuple[list[Carried], list[MergeConflict], list[str]]:
+    """Carry `patches` (in series order, already checked to apply on `base`) onto `new`.
+
+    Per patch and file: base-before-patch (pristine base with the earlier patches applied),
+    base-after-patch, and the new release's file with the earlier rebased patches applied are
+    merged three ways. Returns (carried, conflicts, skipped): a patch that requires a conflicting
+    one, or edits a file an earlier patch left in conflict, is skipped (named in `skipped`).
+    """
+    carried: list[Carried] = []
+    conflicts: list[MergeConflict] = []
+    skipped: list[str] = []
+    failed_patches: set[str] = set()
+    failed_files: set[str] = set()
+    base_stage: dict[str, str | None] = {}
+    new_stage: dict[str, str | None] = {}
+    for patch in patches:
+        blocked = [r for r in patch.requires if r in failed_patches]
+        touched = {fp.path for fp in patch.files}
+        if blocked or touched & failed_files:
+            why = f"requires {blocked[0]}" if blocked else f"edits {sorted(touched & failed_files)[0]}"
+            skipped.append(f"{patch.name}: not tried, it {why}, which needs a hand first")
+            failed_patches.add(patch.name)
+            continue
+        after = base.try_patch(patch, reverse=False, base=base_stage)
+        sections = _sections(texts[patch.name])
+        out_sections: list[str] = []
+        result: dict[str, str | None] = {}
+        how: dict[str, str] = {}
+        mine: list[MergeConflict] = []
+        for fp, section in zip(patch.files, sections, strict=True):
+            o = base_stage[fp.path] if fp.path in base_stage else base.read(fp.path)
+            t = after[fp.path]
+            b = new_stage[fp.path] if fp.path in new_stage else new.read(fp.path)
+            if fp.path in result:
+                raise ToolError(f"{patch.name}: {fp.path} appears twice; rebase does not support that")
+            if b == o:
+                how[fp.path] = "new file" if o is None else "unchanged upstream"
+                result[fp.path] = t
+                out_sections.append(section)
+                continue
+            if o is None:  # the patch creates the file
+                mine.append(
+                    MergeConflict(
+                        patch.name,
+                        fp.path,
+                        ["(the whole new file)"],
+                        None,
+                        (1, split_lines(b)),
+                        (1, split_lines(t or "")),
+                        f"the patch creates {fp.path}, but vLLM {new_release} has one",
+                    )
+                )
+                continue
+            if b is None:  # upstream moved or removed it
+                for index, hunk in enumerate(fp.hunks, 1):
+                    mine.append(
+                        MergeConflict(
+                            patch.name,
+                            fp.path,
+                            [f"hunk {index} ({hunk.header})"],
+                            (hunk.old_start, hunk.old_lines),
+                            None,
+                            (hunk.old_start, hunk.new_lines),
+                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream)",
+                        )
+                    )
+                continue
+            if t is None:  # the patch deletes a file upstream changed
+                mine.append(
+                    MergeConflict(
+                        patch.name,
+                        fp.path,
+                        ["(file deletion)"],
+                        (1, split_lines(o)),
+                        (1, split_lines(b)),
+                        None,
+                        f"the patch deletes {fp.path}, which vLLM {new_release} changed",
+                    )
+                )
+                continue
+            merged, found = merge3(split_lines(o), split_lines(b), split_lines(t))
+            for o_start, o_chunk, b_start, b_chunk, t_start, t_chunk in found:
+                mine.append(
+                    MergeConflict(
+                        patch.name,
+                        fp.path,
+                        _hunks_over(fp, o_start, len(o_chunk)),
+                        (o_start + 1, o_chunk),
+                        (b_start + 1, b_chunk),
+                        (t_start + 1, t_chunk),
+                        f"vLLM {new_release} changed the lines this hunk changes",
+                    )
+                )
+            if found:
+                continue
+            merged_text = "".join(merged)
+            how[fp.path] = "merged"
+            result[fp.path] = merged_text
+            out_sections.append(file_diff(fp.path, b, merged_text))
+        if mine:
+            conflicts.extend(mine)
+            failed_patches.add(patch.name)
+            failed_files.update(c.path for c in mine)
+            log(f"  {patch.name}: {len(mine)} hunk(s) need a hand")
+            continue
+        header = texts[patch.name][: texts[patch.name].find("diff --git ")]
+        header = _retarget_header(header, old_release, new_release)
+        carried.append(Carried(patch, header + "".join(out_sections), result, how))
+        base_stage.update(after)
+        new_stage.update(result)
+        counts = ", ".join(f"{sum(1 for v in how.values() if v == k)} {k}" for k in sorted(set(how.values())))
+        log(f"  {patch.name}: carried ({counts})")
+    return carried, conflicts, skipped
+
+
+def _retarget_header(header: str, old_release: str, new_release: str) -> str:
+    """`Target: vllm <new>`, and a `Rebased-From:` line naming the release it was carried from."""
+    lines = [line for line in header.splitlines(keepends=True) if not line.startswith("Rebased-From:")]
+    out = []
+    for line in lines:
+        if line.startswith("Target:"):
+            out.append(f"Target: vllm {new_release}\n")
+            out.append(f"Rebased-From: vllm {old_release} (scripts/patches.py rebase)\n")
+        else:
+            out.append(line)
+    if not any(line.startswith("Target:") for line in lines):
+        raise ToolError("a patch header has no `Target:` line")
+    return "".join(out)
+
+
+def _show(side: tuple[int, list[str]] | None, label: str, max_lines: int) -> list[str]:
+    if side is None:
+        return [f"    {label}: (no such file)"]
+    start, lines = side
+    span = f"line {start}" if len(lines) <= 1 else f"lines {start}-{start + len(lines) - 1}"
+    out = [f"    {label} ({span}{', empty' if not lines else ''}):"]
+    shown = lines if max_lines <= 0 else lines[:max_lines]
+    out += ["      | " + line.rstrip("\n") for line in shown]
+    if len(shown) < len(lines):
+        out.append(f"      | ... {len(lines) - len(shown)} more line(s) (--max-lines 0 shows all)")
+    return out
+
+
+def report_conflicts(conflicts: list[MergeConflict], old_release: str, new_release: str, max_lines: int) -> str:
+    out = []
+    for number, c in enumerate(conflicts, 1):
+        out.append(f"conflict {number}: {c.patch}: {c.path} {', '.join(c.hunks)}")
+        out.append(f"    {c.reason}")
+        out += _show(c.base, f"vLLM {old_release} had", max_lines)
+        out += _show(c.ours, f"vLLM {new_release} has", max_lines)
+        out += _show(c.theirs, "the patch makes it", max_lines)
+    return "\n".join(out)
+
+
+def _series_text(folder: str, carried: list[str], old_release: str, new_release: str) -> str:
+    """The old series file with only the carried entries, its comments naming the new release."""
+    out = []
+    with open(os.path.join(folder, "series"), encoding="utf-8") as f:
+        for raw in f:
+            entry = raw.split("#", 1)[0].strip()
+            if entry and entry not in carried:
+                continue
+            out.append(raw.replace(f"vLLM {old_release}", f"vLLM {new_release}"))
+    return "".join(out)
+
+
+def write_series(output: str, files: dict[str, str], force: bool) -> None:
+    """Write `files` (relative path -> text) as a fresh folder `output`, all at once."""
+    if os.path.exists(output) and not force:
+        raise Refusal(f"{output} exists; pass --force to replace it, or --output another folder")
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=".rebase-")
+    try:
+        for rel, text in files.items():
+            path = os.path.join(staging, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        os.chmod(staging, 0o755)
+        old = None
+        if os.path.exists(output):
+            old = tempfile.mkdtemp(dir=parent, prefix=".rebase-old-")
+            os.rmdir(old)
+            os.rename(output, old)
+        os.rename(staging, output)
+        if old:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def command_rebase(args) -> int:
+    if not args.base:
+        raise ToolError("rebase needs --base DIR: a pristine tree of the release the series was written for")
+    new_target = find_target(args.target, args.python)
+    base_target = find_target(args.base, None)
+    new_release = release_of(new_target.version)
+    folder = series_dir(args.patches_dir, base_target.version, args.series)
+    if os.path.isfile(os.path.join(args.patches_dir, "series")):
+        old_release = release_of(base_target.version)
+        if not args.output:
+            raise ToolError("--patches-dir is a single series folder: give --output DIR for the rebased series")
+    else:
+        old_release = os.path.basename(os.path.normpath(folder)).removeprefix(SERIES_PREFIX)
+    if release_of(base_target.version) != old_release:
+        raise ToolError(
+            f"--base {args.base} is vLLM {base_target.version}, but the series {folder} was written for "
+            f"{old_release}: give a pristine {old_release} tree"
+        )
+    if new_release == old_release:
+        raise ToolError(f"the target is vLLM {new_target.version}, the release the series was written for")
+    output = args.output or os.path.join(args.patches_dir, SERIES_PREFIX + new_release)
+    if os.path.exists(output) and not args.force:
+        raise Refusal(f"{output} exists; pass --force to replace it, or --output another folder")
+
+    patches = load_series(folder)
+    chosen = select(patches, args.names)
+    by_name = {p.name: p for p in patches}
+    wanted = {p.name for p in chosen}
+    for patch in reversed(patches):
+        if patch.name in wanted:
+            wanted.update(patch.requires)
+    extra = [n for n in wanted if n not in {p.name for p in chosen}]
+    chosen = [p for p in patches if p.name in wanted]
+    texts = {}
+    for patch in chosen:
+        with open(os.path.join(folder, patch.name), encoding="utf-8") as f:
+            texts[patch.name] = f.read()
+
+    base = Tree(base_target.root)
+    states = compute_states(base, chosen)
+    dirty = [f"{n} is {s}{': ' + d if d else ''}" for n, (s, d) in states.items() if s != NOT_APPLIED]
+    if dirty:
+        raise ToolError(f"--base {base_target.root} is not a pristine vLLM {old_release}: " + "; ".join(dirty))
+    run_plan(base, chosen, reverse=False)  # every patch applies on the base, in order
+    base = Tree(base_target.root)
+    new = Tree(new_target.root)
+    applied_there = [n for n, (s, _) in compute_states(new, chosen).items() if s == APPLIED]
+    if applied_there:
+        raise ToolError(
+            f"{new_target.root} already has {', '.join(applied_there)} applied: rebase onto a pristine tree"
+        )
+
+    print(
+        f"rebasing series {os.path.join(folder, 'series')} (vLLM {old_release}) onto vLLM {new_target.version} "
+        f"({new_target.kind}) at {new_target.root}"
+    )
+    if extra:
+        print(
+            f"  also carrying {', '.join(sorted(extra, key=list(by_name).index))} (required by the patches asked for)"
+        )
+    carried, conflicts, skipped = rebase_series(chosen, texts, base, new, old_release, new_release)
+    if conflicts or skipped:
+        print(report_conflicts(conflicts, old_release, new_release, args.max_lines), file=sys.stderr)
+        for line in skipped:
+            print(f"  {line}", file=sys.stderr)
+        print(
+            f"error: {len(conflicts)} hunk(s) need a hand; nothing was written. Carry the others alone "
+            f"(`rebase NAME ...`), or apply the series with --series {old_release} to a copy of the new tree "
+            f'by hand and write the patch from it (patches/README.md, "Rebasing by hand")',
+            file=sys.stderr,
+        )
+        return 1
+
+    # Self-check: the written patches must apply on the new tree, in order, to exactly the merge.
+    check = Tree(new_target.root)
+    for item in carried:
+        reparsed = parse_patch(item.patch.name, item.text)
+        staged = check.try_patch(reparsed, reverse=False, base=check.current)
+        if any(staged[path] != item.files[path] for path in item.files):
+            raise ToolError(f"internal error: the rebased {item.patch.name} does not reproduce the merge")
+        check.current.update(staged)
+    files = {item.patch.name: item.text for item in carried}
+    files["series"] = _series_text(folder, list(files), old_release, new_release)
+    write_series(output, files, args.force)
+    print(f"wrote {len(carried)} patch(es) and a series file to {output}")
+    print(f"next: scripts/patches.py status --patches-dir {output} --target {new_target.root}")
+    print("      then test it as patches/README.md says (apply, revert byte for byte, the suite)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # Commands
 
 
@@ -697,9 +1219,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_revert.add_argument("--dry-run", action="store_true", help="check and report, change nothing")
     sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
+    p_rebase = sub.add_parser(
+        "rebase",
+        parents=[common],
+        help="carry a series onto another vLLM release by a three-way merge",
+        description=REBASE_HELP.split("\n\n")[0],
+        epilog=REBASE_HELP.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_rebase.add_argument("names", nargs="*", metavar="NAME", help="patches to carry (default: the whole series)")
+    p_rebase.add_argument(
+        "--base", metavar="DIR", help="pristine vLLM tree of the release the series was written for (required)"
+    )
+    p_rebase.add_argument(
+        "--output", metavar="DIR", help="folder for the rebased series (default: PATCHES_DIR/vllm-<target release>)"
+    )
+    p_rebase.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    p_rebase.add_argument(
+        "--max-lines", type=int, default=40, metavar="N", help="lines shown per side of a conflict (0: all; default 40)"
+    )
     args = parser.parse_args(argv)
 
     try:
+        if args.command == "rebase":
+            return command_rebase(args)
         if args.command == "list":
             if args.target or args.python:
                 version = find_target(args.target, args.python).version
@@ -787,12 +1330,21 @@ def main(argv: list[str] | None = None) -> int:
                 print("nothing to revert: no selected patch is applied")
             print(f"{len(written)} file(s) changed under {target.root}")
             return 0
+    except NoSeries as e:
+        where = (
+            f"--python {shlex.quote(args.python)}" if args.python else f"--target {shlex.quote(args.target or 'DIR')}"
+        )
+        print(f"error: {e.advice(where)}", file=sys.stderr)
+        return 2
     except ToolError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Refusal as e:
         print(f"error: {e}", file=sys.stderr)
-        print(f"vLLM {target.version} ({target.kind}) at {target.root}; nothing was changed", file=sys.stderr)
+        if args.command == "rebase":
+            print("nothing was written", file=sys.stderr)
+        else:
+            print(f"vLLM {target.version} ({target.kind}) at {target.root}; nothing was changed", file=sys.stderr)
         return 1
     return 2
 

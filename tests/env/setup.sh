@@ -79,7 +79,7 @@ PY
   echo "test env: installed in $(($(date +%s) - start)) s, $(du -sh "$venv" | cut -f1)"
 fi
 
-for version in "$VLLM_VERSION" 0.28.0; do
+for version in "$VLLM_VERSION" 0.28.0 0.30.0 0.33.0; do
   "$venv/bin/python" "$root/tests/env/fetch_sdist.py" "$version" "$sdist_dir" >/dev/null
 done
 echo "test env: sdists in $sdist_dir"
