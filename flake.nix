@@ -8,32 +8,41 @@
     let
       magpieLib = import ./nix/lib.nix;
       inherit (nixpkgs) lib;
-
-      pkgsFor =
-        system:
-        import nixpkgs {
-          inherit system;
-          overlays = [ self.overlays.default ];
-          # The wheel closure carries NVIDIA's CUDA libraries under NVIDIA's license.
-          config.allowUnfreePredicate = pkg: lib.getName pkg == "vllm-wheel-closure";
-        };
-      forAllSystems = f: lib.genAttrs magpieLib.systems (system: f (pkgsFor system));
+      forAllSystems = lib.genAttrs magpieLib.systems;
+      scopeOf = system: self.legacyPackages.${system}.magpie-vllm-plugins;
     in
     {
       lib = magpieLib;
 
       overlays.default = import ./nix/overlay.nix;
 
-      packages = forAllSystems (pkgs: import ./nix/packages.nix { inherit pkgs; });
+      # nixpkgs with the overlay, imported once per system; every output below reads it.
+      legacyPackages = forAllSystems (
+        system:
+        import nixpkgs {
+          inherit system;
+          overlays = [ self.overlays.default ];
+          # The wheel closure carries NVIDIA's CUDA libraries under NVIDIA's license.
+          config.allowUnfreePredicate = pkg: lib.getName pkg == "vllm-wheel-closure";
+        }
+      );
 
-      apps = forAllSystems (pkgs: magpieLib.mkApps pkgs.magpie-vllm-plugins.apps);
+      packages = forAllSystems (system: import ./nix/packages.nix { scope = scopeOf system; });
 
-      devShells = forAllSystems (pkgs: {
-        default = pkgs.magpie-vllm-plugins.callPackage ./nix/devshell.nix { };
+      apps = forAllSystems (system: magpieLib.mkApps (scopeOf system).apps);
+
+      devShells = forAllSystems (system: {
+        default = (scopeOf system).devShell;
       });
 
-      checks = forAllSystems (pkgs: pkgs.magpie-vllm-plugins.callPackage ./nix/checks.nix { });
+      checks = forAllSystems (
+        system:
+        import ./nix/checks.nix {
+          pkgs = self.legacyPackages.${system};
+          scope = scopeOf system;
+        }
+      );
 
-      formatter = forAllSystems (pkgs: pkgs.nixfmt);
+      formatter = forAllSystems (system: self.legacyPackages.${system}.nixfmt-tree);
     };
 }

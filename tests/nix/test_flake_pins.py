@@ -108,7 +108,7 @@ def test_pins_python_is_the_overlays_python():
     assert "python = final.python312;" in overlay
     for system in SYSTEMS:
         for wheel in load_pins(system)["wheels"].values():
-            assert runs_on_cpython_312(wheel["fetchPypi"]["python"], wheel["fetchPypi"]["abi"]), wheel["filename"]
+            assert runs_on_cpython_312(wheel["tags"]["python"], wheel["tags"]["abi"]), wheel["filename"]
 
 
 def runs_on_cpython_312(python_tags: str, abi_tags: str) -> bool:
@@ -126,6 +126,17 @@ def runs_on_cpython_312(python_tags: str, abi_tags: str) -> bool:
             if stable and abi == "abi3" and int(stable.group(1)) <= 12:
                 return True
     return False
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_pinned_tools_are_the_versions_ci_installs(system):
+    """The flake's ruff check uses the wheel pinned here; tests/run.sh the one setup.sh installs."""
+    requirements = (REPO / "tests" / "env" / "requirements.txt").read_text()
+    pinned = dict(re.findall(r"^([A-Za-z0-9._-]+)==(\S+)$", requirements, re.M))
+    tools = load_pins(system)["tools"]
+    assert set(tools) == {"ruff"}
+    assert tools["ruff"]["version"] == pinned["ruff"]
+    assert tools["ruff"]["tags"]["platform"].endswith(system.split("-")[0])
 
 
 def test_every_patch_in_the_series_targets_the_pinned_vllm():

@@ -1,0 +1,66 @@
+# One app's wrapper (magpieLib.appTable.${name}): it runs the repository script with a plain
+# Python (standard-library tools, e.g. the patch tool for users whose vLLM is not this one) or
+# the patched environment's, and for GPU apps with the host driver, nvcc, ninja and
+# FlashInfer's cache. The wrapped scripts live in the filtered source (nix/source.nix).
+# flake.nix turns these derivations into `apps` with magpieLib.mkApps.
+{
+  lib,
+  writeShellApplication,
+  bash,
+  coreutils,
+  gnused,
+  procps,
+  util-linux,
+  hostname-debian,
+  ninja,
+  gcc14,
+  python,
+  magpieLib,
+  source,
+  env,
+  cudaHome,
+  cudaCapabilities,
+  nvidiaDriverLibs,
+  name,
+}:
+let
+  app = magpieLib.appTable.${name};
+in
+writeShellApplication {
+  inherit name;
+  # Only what the scripts call, never the host's tools: bash and coreutils everywhere; sed
+  # (usage text), setsid and hostname (serve.sh), procps (ps/kill for the suites); nvcc, the
+  # host compiler and ninja for FlashInfer's JIT.
+  inheritPath = false;
+  runtimeInputs = [
+    bash
+    coreutils
+    gnused
+    procps
+  ]
+  ++ lib.optionals app.gpu [
+    util-linux
+    hostname-debian
+    ninja
+    gcc14
+    cudaHome
+  ];
+  text = magpieLib.wrapperText {
+    inherit name;
+    src = "${source.scripts}";
+    envPython = "${env}/bin/python";
+    stdlibPython = python.interpreter;
+    driverLibs = lib.getExe nvidiaDriverLibs;
+    gpuEnv = magpieLib.gpuEnvText {
+      cudaHome = "${cudaHome}";
+      capabilities = cudaCapabilities;
+      cc = "${gcc14}/bin/gcc";
+      cxx = "${gcc14}/bin/g++";
+    };
+  };
+  meta = {
+    inherit (app) description;
+    mainProgram = name;
+    platforms = magpieLib.systems;
+  };
+}

@@ -1,0 +1,176 @@
+"""The flake's outputs evaluated by Nix itself, with a stand-in for nixpkgs (nixpkgs-stand-in/:
+its callPackage, makeOverridable and makeScope behave as nixpkgs' lib/customisation.nix does).
+
+What `nix flake check` looks at first: every `checks`, `packages`, `devShells` value is a
+derivation and `apps` values are apps, with no stray attribute such as `override` (which
+callPackage adds to any attribute set a file returns). The builders are fakes, so what is
+checked is the structure and the arguments the flake hands them, not a build.
+"""
+
+from __future__ import annotations
+
+import pytest
+from nixeval import REPO, NixError, nix_eval
+
+SYSTEMS = ["aarch64-linux", "x86_64-linux"]
+STAND_IN = REPO / "tests" / "nix" / "nixpkgs-stand-in"
+APPS = {
+    "serve-flash-next",
+    "bench-suite",
+    "build-keepset",
+    "count-tokens",
+    "memguard",
+    "profile-capture",
+    "trace-split",
+    "report",
+    "patches",
+}
+PACKAGES = {
+    "default",
+    "vllm-env",
+    "vllm-env-flashinfer-aot",
+    "vllm",
+    "vllm-wheel-closure",
+    "flashinfer-jit-cache",
+    "cuda-home",
+    "nvidia-driver-libs",
+} | APPS
+CHECKS = {"patch-series", "vllm-patched", "tests", "ruff", "shellcheck", "formatting"}
+
+# The flake's outputs function applied to itself and the stand-in, as `nix flake check` does
+# with the locked nixpkgs.
+FLAKE = (
+    'let nixpkgs = { outPath = /. + standIn; lib = import (/. + standIn + "/lib.nix"); }; '
+    'flake = import (repo + "/flake.nix"); '
+    "self = flake.outputs { inherit self nixpkgs; } // { outPath = repo; }; "
+    "scope = system: self.legacyPackages.${system}.magpie-vllm-plugins; in "
+)
+
+
+def flake_eval(body: str, **strings: str):
+    return nix_eval(FLAKE + body, standIn=str(STAND_IN), **strings)
+
+
+def test_stand_in_callpackage_adds_override_to_attribute_sets_like_nixpkgs(tmp_path):
+    """The property the output checks below rely on: a plain attribute set through callPackage
+    comes back with `override` and `overrideDerivation` (nixpkgs' makeOverridable)."""
+    (tmp_path / "set.nix").write_text("{ a }: { inherit a; }\n")
+    names = nix_eval(
+        'let standInLib = import (/. + standIn + "/lib.nix"); in '
+        "builtins.attrNames (standInLib.callPackageWith { a = 1; } (/. + file) { })",
+        standIn=str(STAND_IN),
+        file=str(tmp_path / "set.nix"),
+    )
+    assert names == ["a", "override", "overrideDerivation"]
+    with pytest.raises(NixError, match="the nixpkgs stand-in has no a"):
+        nix_eval(
+            'let standInLib = import (/. + standIn + "/lib.nix"); in '
+            "(standInLib.callPackageWith { } (/. + file) { }).a",
+            standIn=str(STAND_IN),
+            file=str(tmp_path / "set.nix"),
+        )
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_each_output_of_a_system_holds_only_the_intended_names(system):
+    names = flake_eval(
+        "builtins.mapAttrs (_: output: builtins.attrNames output.${system}) "
+        "{ inherit (self) checks packages apps devShells; }",
+        system=system,
+    )
+    assert set(names["checks"]) == CHECKS
+    assert set(names["packages"]) == PACKAGES
+    assert set(names["apps"]) == APPS
+    assert names["devShells"] == ["default"]
+
+
+def test_outputs_cover_exactly_the_pinned_systems():
+    systems = flake_eval(
+        "builtins.mapAttrs (_: builtins.attrNames) "
+        "{ inherit (self) checks packages apps devShells formatter legacyPackages; }"
+    )
+    assert systems == {name: SYSTEMS for name in systems}
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_checks_packages_shells_and_formatter_are_derivations(system):
+    types = flake_eval(
+        "let drvType = v: v.type or (builtins.typeOf v); in "
+        "{ checks = builtins.mapAttrs (_: drvType) self.checks.${system}; "
+        "packages = builtins.mapAttrs (_: drvType) self.packages.${system}; "
+        "shell = drvType self.devShells.${system}.default; "
+        "formatter = self.formatter.${system}.name; }",
+        system=system,
+    )
+    assert types["checks"] == {name: "derivation" for name in CHECKS}
+    assert types["packages"] == {name: "derivation" for name in PACKAGES}
+    assert types["shell"] == "derivation"
+    assert types["formatter"] == "nixfmt-tree"
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_apps_point_at_their_wrappers(system):
+    apps = flake_eval(
+        "builtins.mapAttrs (name: app: { inherit (app) type program; "
+        "wrapper = toString self.packages.${system}.${name}; }) self.apps.${system}",
+        system=system,
+    )
+    for name, app in apps.items():
+        assert app["type"] == "app"
+        assert app["program"] == f"{app['wrapper']}/bin/{name}"
+
+
+def test_app_wrappers_run_on_their_listed_tools_only():
+    wrappers = flake_eval('builtins.mapAttrs (_: w: w.inheritPath) (scope "aarch64-linux").apps')
+    assert wrappers == {name: False for name in APPS}
+
+
+def test_default_environment_leaves_flashinfer_aot_out_and_the_opt_in_has_it():
+    envs = flake_eval(
+        "let names = env: map (p: p.name) env.packagesGiven; "
+        'pkgs = self.packages."aarch64-linux"; in '
+        "{ default = names pkgs.default; aot = names pkgs.vllm-env-flashinfer-aot; }"
+    )
+    assert not any(name.startswith("flashinfer-jit-cache") for name in envs["default"])
+    assert any(name.startswith("flashinfer-jit-cache") for name in envs["aot"])
+
+
+def test_flashinfer_aot_build_is_capped_and_asks_for_a_big_builder():
+    drv = flake_eval(
+        'let d = self.packages."x86_64-linux".flashinfer-jit-cache; in '
+        "{ inherit (d) requiredSystemFeatures buildPhase; }"
+    )
+    assert drv["requiredSystemFeatures"] == ["big-parallel"]
+    assert 'NVCC_PREPEND_FLAGS="-ccbin ' in drv["buildPhase"]
+    assert "export MAX_JOBS=$jobs" in drv["buildPhase"] and "-gt 4" in drv["buildPhase"]
+
+
+def test_series_check_runs_in_a_phase_that_always_runs():
+    drv = flake_eval('let d = self.packages."aarch64-linux".vllm; in { inherit (d) preInstall postInstall; }')
+    assert drv["preInstall"].count("patch -p1 --fuzz=0") == 3
+    assert "status \\\n  --require-applied" in drv["preInstall"]
+    assert "wheel pack" in drv["preInstall"]
+    assert "--require-applied" in drv["postInstall"]
+
+
+def test_patch_series_folder_is_an_option_of_the_vllm_package(tmp_path):
+    vllm = flake_eval(
+        'let v = (scope "aarch64-linux").vllm; in { folder = toString v.patchSeries; inherit (v) series; }'
+    )
+    assert vllm["folder"] == str(REPO / "patches" / "vllm-0.29.0")
+    text = (REPO / "patches" / "vllm-0.29.0" / "series").read_text()
+    assert vllm["series"] == [e for e in (line.split("#", 1)[0].strip() for line in text.splitlines()) if e]
+    other = tmp_path / "vllm-0.33.0"
+    other.mkdir()
+    (other / "series").write_text("")
+    with pytest.raises(NixError, match="patchSeries vllm-0.33.0 is not the series of the pinned vLLM 0.29.0"):
+        flake_eval('((scope "aarch64-linux").vllm.override { patchSeries = /. + dir; }).name', dir=str(other))
+
+
+def test_every_wheel_is_fetched_from_its_immutable_path_under_nixpkgs_pypi_mirror():
+    fetched = flake_eval(
+        'let s = scope "x86_64-linux"; in map (w: w.name) s.wheelClosure.wheels ++ [ s.vllm.src.name ]'
+    )
+    assert len(fetched) == 198 and all(name.endswith(".whl") for name in fetched)
+    bases = flake_eval('(scope "x86_64-linux").registryFileBases')
+    assert bases == ["https://registry.invalid/packages/"]
