@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_client  # noqa: E402
 
-SCHEMA = "flash-next/bench-decode/1"
+SCHEMA = "flash-next/bench-decode/2"
 
 BUILTIN_PROMPTS = [
     "Write a Python function `merge_intervals(intervals)` that merges overlapping closed intervals given as "
@@ -114,13 +114,14 @@ def request_body(args, model: str, messages: list[dict]) -> dict:
     return body
 
 
-def finish_record(index: int, prompt_id: int, raw: dict, t0: float) -> dict:
-    """The published per-request record (times relative to the start of the measured run)."""
-    tokens = raw["completion_tokens"]
-    ttft = raw["t_first"] - raw["t_sent"] if raw["t_first"] is not None else None
-    decode = None
-    if raw["t_first"] is not None and raw["t_last"] > raw["t_first"]:
-        decode = (tokens - raw["first_chunk_tokens"]) / (raw["t_last"] - raw["t_first"])
+def finish_record(index: int, prompt_id: int, raw: dict, t0: float, min_decode_interval_s: float) -> dict:
+    """The published per-request record (times relative to the start of the measured run).
+
+    TTFT, TPOT, ITL and E2E latency as `vllm bench serve` defines them (vllm_client.request_timing);
+    decode_tok_per_s is null, with decode_unmeasured_reason, when the stream shows no decode interval.
+    """
+    timing = vllm_client.request_timing(raw, min_decode_interval_s)
+    end = raw["t_end"] or raw["t_last"] or raw["t_sent"]
     return {
         "index": index,
         "prompt_id": prompt_id,
@@ -128,15 +129,20 @@ def finish_record(index: int, prompt_id: int, raw: dict, t0: float) -> dict:
         "error": raw["error"],
         "http_status": raw["http_status"],
         "start_s": raw["t_sent"] - t0 if raw["t_sent"] else None,
-        "end_s": (raw["t_last"] or raw["t_sent"]) - t0 if raw["t_sent"] else None,
-        "ttft_s": ttft,
-        "decode_tok_per_s": decode,
-        "latency_s": raw["t_last"] - raw["t_sent"] if raw["t_last"] else None,
+        "end_s": end - t0 if raw["t_sent"] else None,
+        "ttft_s": timing["ttft_s"],
+        "tpot_s": timing["tpot_s"],
+        "itl_s": timing["itl_s"],
+        "latency_s": timing["e2el_s"],
+        "decode_tok_per_s": timing["decode_tok_per_s"],
+        "decode_interval_s": timing["decode_interval_s"],
+        "decode_unmeasured_reason": None if timing["decode_tok_per_s"] else timing["decode_unmeasured_reason"],
         "prompt_tokens": raw["prompt_tokens"],
-        "output_tokens": tokens,
+        "output_tokens": raw["completion_tokens"],
         "first_chunk_tokens": raw["first_chunk_tokens"],
         "finish_reason": raw["finish_reason"],
         "chunks": raw["chunks"],
+        "choice_chunks": [round(t, 6) for t in raw["choice_chunks"]],
         "output_sha256": hashlib.sha256(json.dumps(raw["token_ids"]).encode()).hexdigest() if raw["ok"] else None,
         "token_ids": raw["token_ids"],
         "text": raw["text"],
@@ -146,8 +152,13 @@ def finish_record(index: int, prompt_id: int, raw: dict, t0: float) -> dict:
 def summarize(
     records: list[dict], duration: float | None, spec: dict | None, generated: float | None, engine_decode: float | None
 ) -> dict:
+    """The run's figures. ttft_ms / tpot_ms / itl_ms / e2el_ms follow `vllm bench serve`'s
+    calculate_metrics: TTFT and E2EL of every completed request, TPOT of those with more than one
+    output token, ITL pooled over all requests' chunk gaps."""
     ok = [r for r in records if r["ok"]]
     output_tokens = sum(r["output_tokens"] for r in records)
+    rates = [r["decode_tok_per_s"] for r in ok if r["decode_tok_per_s"]]
+    unmeasured = [r for r in ok if not r["decode_tok_per_s"]]
     return {
         "requests": len(records),
         "completed": len(ok),
@@ -155,45 +166,60 @@ def summarize(
         "output_tokens": output_tokens,
         "duration_s": duration,
         "aggregate_output_tok_per_s": output_tokens / duration if duration else None,
-        "decode_tok_per_s": vllm_client.stats([r["decode_tok_per_s"] for r in ok if r["decode_tok_per_s"]]),
+        "decode_tok_per_s": vllm_client.rate_stats(rates, len(unmeasured)),
+        "decode_unmeasured": [{"index": r["index"], "reason": r["decode_unmeasured_reason"]} for r in unmeasured],
         "ttft_s": vllm_client.stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+        "ttft_ms": vllm_client.latency_stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+        "tpot_ms": vllm_client.latency_stats([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+        "itl_ms": vllm_client.latency_stats([gap for r in ok for gap in r["itl_s"]]),
+        "e2el_ms": vllm_client.latency_stats([r["latency_s"] for r in ok if r["latency_s"] is not None]),
         "engine_decode_tok_per_s": engine_decode,
         "spec_decode": spec,
         "generation_tokens_counted_by_server": generated,
     }
 
 
+def _fmt(value, spec=".1f"):
+    return "-" if value is None else format(value, spec)
+
+
+def latency_line(name: str, figures: dict | None) -> str:
+    f = figures or {}
+    return (
+        f"  {name:<27}mean {_fmt(f.get('mean'), '.2f')}  p50 {_fmt(f.get('p50'), '.2f')}  "
+        f"p90 {_fmt(f.get('p90'), '.2f')}  p99 {_fmt(f.get('p99'), '.2f')}  (n {f.get('n', 0)})"
+    )
+
+
 def print_table(result: dict, out=sys.stdout) -> None:
     s = result["summary"]
     cfg = result["config"]
-
-    def fmt(value, spec=".1f"):
-        return "-" if value is None else format(value, spec)
-
     dec = s["decode_tok_per_s"] or {}
-    ttft = s["ttft_s"] or {}
     spec = s["spec_decode"] or {}
     print(f"bench_decode  {result['label'] or ''}  status={result['status']}", file=out)
     print(
         f"  requests {s['completed']}/{s['requests']} ok at concurrency {cfg['concurrency']}, "
-        f"max_tokens {cfg['max_tokens']}, {s['output_tokens']} output tokens in {fmt(s['duration_s'], '.2f')} s",
+        f"max_tokens {cfg['max_tokens']}, {s['output_tokens']} output tokens in {_fmt(s['duration_s'], '.2f')} s",
         file=out,
     )
+    print(latency_line("TTFT ms", s["ttft_ms"]), file=out)
+    print(latency_line("TPOT ms", s["tpot_ms"]), file=out)
+    print(latency_line("ITL ms (per chunk)", s["itl_ms"]), file=out)
     print(
-        f"  decode tok/s per request   mean {fmt(dec.get('mean'))}  median {fmt(dec.get('median'))}  "
-        f"min {fmt(dec.get('min'))}  max {fmt(dec.get('max'))}",
+        f"  decode tok/s per request   median {_fmt(dec.get('median'))}  p10 {_fmt(dec.get('p10'))}  "
+        f"p90 {_fmt(dec.get('p90'))}  harmonic mean {_fmt(dec.get('harmonic_mean'))}  "
+        f"(measured {dec.get('n', 0)} of {s['completed']})",
         file=out,
     )
-    print(f"  decode tok/s, engine times {fmt(s['engine_decode_tok_per_s'])}", file=out)
-    print(f"  aggregate output tok/s     {fmt(s['aggregate_output_tok_per_s'])}", file=out)
-    print(
-        f"  TTFT s                     mean {fmt(ttft.get('mean'), '.3f')}  p90 {fmt(ttft.get('p90'), '.3f')}", file=out
-    )
+    for item in s["decode_unmeasured"]:
+        print(f"    request {item['index']}: decode unmeasured: {item['reason']}", file=out)
+    print(f"  decode tok/s, engine times {_fmt(s['engine_decode_tok_per_s'])}", file=out)
+    print(f"  aggregate output tok/s     {_fmt(s['aggregate_output_tok_per_s'])}", file=out)
     if spec:
         per_pos = " ".join(f"{x:.3f}" for x in spec["per_position_acceptance"] or [])
         print(
-            f"  MTP acceptance length      {fmt(spec['acceptance_length'], '.3f')}  "
-            f"rate {fmt(spec['acceptance_rate'], '.3f')}  per position [{per_pos}]",
+            f"  MTP acceptance length      {_fmt(spec['acceptance_length'], '.3f')}  "
+            f"rate {_fmt(spec['acceptance_rate'], '.3f')}  per position [{per_pos}]",
             file=out,
         )
     else:
@@ -217,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--thinking", action="store_true", help="let the model think (default: thinking off)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (default: off)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s)")
+    parser.add_argument(
+        "--min-decode-interval-ms",
+        type=float,
+        default=vllm_client.MIN_DECODE_INTERVAL_S * 1000,
+        help="a request whose tokens after the first arrive within this time of it (one burst) gets no "
+        "decode tok/s (default: %(default)s)",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request (default: %(default)s)")
     parser.add_argument("--label", default="", help="configuration name shown in tables and the report")
     parser.add_argument("--output", metavar="JSON", help="write the results here (default: table only)")
@@ -249,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": args.temperature,
             "prompts": source,
             "prompt_count": len(prompts),
+            "min_decode_interval_ms": args.min_decode_interval_ms,
         },
         "summary": None,
         "metrics_delta": None,
@@ -281,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 return
             prompt_id = index % len(prompts)
             raw = vllm_client.stream_chat(base, request_body(args, model, prompts[prompt_id]), args.timeout)
-            record = finish_record(index, prompt_id, raw, t0)
+            record = finish_record(index, prompt_id, raw, t0, args.min_decode_interval_ms / 1000)
             with lock:
                 records.append(record)
                 done = len(records)

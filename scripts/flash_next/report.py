@@ -5,7 +5,8 @@ A result folder is what run_suite.sh writes (suite.json, bench-c1.json, bench-c4
 gsm8k.json, log_check.json; optionally profile/<window>/split.json from profile_capture.py).
 The page shows the seed GB10 figures (docs/data/flash-next-seed-gb10.json, attributed there)
 beside our own runs: headline tiles, decode tok/s by configuration, a memory ledger, the
-step-time breakdown and the table of runs. Charts are inline SVG; the page loads no font,
+step-time breakdown and the table of runs; with `--sweep RUN_DIR` (sweep.py's run folders) also
+TPOT and TTFT by input length per configuration and concurrency. Charts are inline SVG; the page loads no font,
 script or image from anywhere.
 
     scripts/flash_next/report.py results/cpu-mtp results/cpu-pruned --output docs/flash-next-report.html
@@ -260,6 +261,104 @@ def stacked_bar(segments: list[tuple[str, float]], total: float, unit: str, widt
     return "".join(parts)
 
 
+def line_chart(lines: list[tuple[str, list[tuple[float, float]]]], x_label: str, y_label: str, width: int = 760) -> str:
+    """Lines of (x, y) points; x on a log2 axis (input lengths double), y linear from 0."""
+    import math
+
+    points = [p for _, pts in lines for p in pts if p[1] is not None]
+    if not points:
+        return "<p class=note>no figures</p>"
+    left, right, top, bottom, height = 70, 190, 14, 40, 300
+    xs = sorted({p[0] for p in points})
+    lo, hi = math.log2(xs[0]), math.log2(xs[-1])
+    y_top = max(p[1] for p in points) * 1.1 or 1.0
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x):
+        return left + (plot_w * (math.log2(x) - lo) / (hi - lo) if hi > lo else plot_w / 2)
+
+    def sy(y):
+        return top + plot_h * (1 - y / y_top)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">']
+    parts.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>')
+    for x in xs:
+        parts.append(f'<text x="{sx(x):.1f}" y="{top + plot_h + 16}" text-anchor="middle" class="val">{x:g}</text>')
+    for i in range(5):
+        y = y_top * i / 4
+        parts.append(f'<text x="{left - 6}" y="{sy(y) + 4:.1f}" text-anchor="end" class="val">{y:.3g}</text>')
+        parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" stroke="#eee"/>')
+    parts.append(
+        f'<text x="{left + plot_w / 2}" y="{height - 6}" text-anchor="middle" class="lbl">{_e(x_label)}</text>'
+    )
+    parts.append(f'<text x="12" y="{top + plot_h / 2}" class="lbl" transform="rotate(-90 12 {top + plot_h / 2})" '
+                 f'text-anchor="middle">{_e(y_label)}</text>')  # fmt: skip
+    for j, (label, pts) in enumerate(lines):
+        color = COLORS[j % len(COLORS)]
+        coords = [(sx(x), sy(y)) for x, y in sorted(pts) if y is not None]
+        if len(coords) > 1:
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        for (x, y), (vx, vy) in zip(coords, sorted(p for p in pts if p[1] is not None), strict=True):
+            parts.append(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{color}"><title>{_e(label)}: {vy:.3g} '
+                f"{_e(y_label)} at {vx:g}</title></circle>"
+            )
+        ly = top + 12 + 18 * j
+        parts.append(f'<rect x="{left + plot_w + 12}" y="{ly - 10}" width="12" height="12" fill="{color}"/>')
+        parts.append(f'<text x="{left + plot_w + 28}" y="{ly}" class="val">{_e(label)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def load_sweep(folder: str) -> dict:
+    document = _load(os.path.join(folder, "results.json"))
+    if not document or document.get("schema") != "flash-next/sweep/1":
+        raise SystemExit(f"error: {folder}/results.json is missing or not a sweep.py result (flash-next/sweep/1)")
+    document["folder"] = folder
+    return document
+
+
+def sweep_section(sweep: dict) -> list[str]:
+    host = sweep.get("host") or {}
+    settings = sweep["settings"]
+    body = [
+        f"<h3>Sweep {_e(os.path.relpath(sweep['folder']))}: {sweep['points_complete']} of "
+        f"{sweep['points_expected']} runs ({_e(sweep['status'])}), {_e(host.get('name', '?'))} "
+        f"({_e(host.get('machine', '?'))}, {_e(host.get('cpus', '?'))} CPUs)</h3>",
+        f'<p class="note">{settings["output_len"]} output tokens per request, {_e(settings["prompt_style"])} '
+        f"prompts, {settings['prompts_per_point']} requests per run; TTFT, TPOT and ITL as vllm bench serve "
+        "defines them, pooled over repeats; prefix cache reset before every run.</p>",
+    ]
+    groups: dict[str, list[tuple[float, float]]] = {}
+    ttft: dict[str, list[tuple[float, float]]] = {}
+    for row in sweep["summary"]:
+        key = f"{row['config']} c={row['concurrency']}"
+        groups.setdefault(key, []).append((row["input_len"], row["tpot_p50_ms"]))
+        ttft.setdefault(key, []).append((row["input_len"], row["ttft_p50_ms"]))
+    body.append(line_chart(list(groups.items()), "input length (tokens)", "TPOT p50 (ms)"))
+    body.append(line_chart(list(ttft.items()), "input length (tokens)", "TTFT p50 (ms)"))
+    body.append(
+        "<table><tr><th>config</th><th>input</th><th>c</th><th>repeats</th><th>TTFT p50 / p99 ms</th>"
+        "<th>TPOT p50 / p99 ms</th><th>ITL p50 / p99 ms</th><th>decode tok/s (median)</th>"
+        "<th>aggregate tok/s</th><th>acceptance L</th></tr>"
+    )
+    for row in sweep["summary"]:
+        body.append(
+            f"<tr><td>{_e(row['config'])}</td><td class=n>{row['input_len']}</td><td class=n>{row['concurrency']}</td>"
+            f"<td class=n>{row['repeats']}</td>"
+            f"<td class=n>{_fmt(row['ttft_p50_ms'])} / {_fmt(row['ttft_p99_ms'])}</td>"
+            f"<td class=n>{_fmt(row['tpot_p50_ms'], '.2f')} / {_fmt(row['tpot_p99_ms'], '.2f')}</td>"
+            f"<td class=n>{_fmt(row['itl_p50_ms'], '.2f')} / {_fmt(row['itl_p99_ms'], '.2f')}</td>"
+            f"<td class=n>{_fmt(row['decode_tok_s_median'])}"
+            + (f" ({row['decode_unmeasured']} unmeasured)" if row["decode_unmeasured"] else "")
+            + f"</td><td class=n>{_fmt(row['aggregate_tok_s_median'])}</td>"
+            f"<td class=n>{_fmt(row['acceptance_length'], '.2f')}</td></tr>"
+        )
+    body.append("</table>")
+    return body
+
+
 # --------------------------------------------------------------------------------------------
 # HTML
 
@@ -288,7 +387,7 @@ def tile(value: str, key: str, sub: str = "") -> str:
     )
 
 
-def render(runs: list[dict], seed: dict | None, title: str) -> str:
+def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] | None = None) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     body = [f"<h1>{_e(title)}</h1>"]
     sources = ", ".join(os.path.relpath(r["folder"]) for r in runs) or "none"
@@ -447,6 +546,10 @@ def render(runs: list[dict], seed: dict | None, title: str) -> str:
             '<p class="note">Identical outputs: the c=1 bench\'s output token ids compared prompt by prompt with '
             f"the first of our runs ({_e(runs[0]['label'])}).</p>"
         )
+    if sweeps:
+        body.append("<h2>Sweep: latency by input length and concurrency</h2>")
+        for sweep in sweeps:
+            body += sweep_section(sweep)
     if seed:
         body.append(f'<h2>Attribution</h2><p class="note">{_e(seed["attribution"])}</p>')
     return (
@@ -469,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seed", default=DEFAULT_SEED, help="seed figures file (default: %(default)s); 'none' to leave out"
     )
+    parser.add_argument(
+        "--sweep", action="append", default=[], metavar="RUN_DIR", help="a sweep.py run folder to draw (repeatable)"
+    )
     parser.add_argument("--title", default="Qwen3.8-Flash-Next on vLLM 0.29: measurements", help="page title")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--summary", metavar="RESULT_DIR", help="print one screen about one result folder")
@@ -490,11 +596,15 @@ def main(argv: list[str] | None = None) -> int:
     seed = None if args.seed == "none" else _load(args.seed)
     if args.seed != "none" and seed is None:
         raise SystemExit(f"error: seed figures file {args.seed} not found (or pass --seed none)")
-    page = render(runs, seed, args.title)
+    sweeps = [load_sweep(folder) for folder in args.sweep]
+    page = render(runs, seed, args.title, sweeps)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(page)
-    print(f"wrote {args.output} ({len(page) / 1024:.0f} KiB, {len(runs)} runs{', seed figures' if seed else ''})")
+    print(
+        f"wrote {args.output} ({len(page) / 1024:.0f} KiB, {len(runs)} runs, {len(sweeps)} sweeps"
+        f"{', seed figures' if seed else ''})"
+    )
     return 0
 
 

@@ -71,8 +71,10 @@ def stream_chat(base_url: str, body: dict, timeout: float = 600, on_tokens=None)
     The record always has `ok`; on failure `error` says what happened and `server_gone` is True
     when the connection itself failed (the caller checks /health to tell a dead server).
     Times are `time.perf_counter()` seconds: `t_sent`, `t_first` (first chunk carrying a
-    token), `t_last` (last chunk carrying a token). `on_tokens(total)` is called after every chunk
-    that brought tokens.
+    token), `t_last` (last chunk carrying a token), `t_end` (the last data chunk before [DONE],
+    the usage-only one included). `choice_chunks` holds the arrival of every chunk with a
+    non-empty `choices` (seconds since sent), which is what `vllm bench serve` times: see
+    `request_timing()`. `on_tokens(total)` is called after every chunk that brought tokens.
     """
     body = dict(body, stream=True)
     body.setdefault("stream_options", {"include_usage": True, "continuous_usage_stats": True})
@@ -85,10 +87,12 @@ def stream_chat(base_url: str, body: dict, timeout: float = 600, on_tokens=None)
         "t_sent": None,
         "t_first": None,
         "t_last": None,
+        "t_end": None,
         "prompt_tokens": None,
         "completion_tokens": 0,
         "first_chunk_tokens": None,
         "chunks": [],  # [seconds since sent, tokens in this chunk]
+        "choice_chunks": [],  # seconds since sent of every chunk with non-empty choices
         "text": "",
         "token_ids": [],
         "finish_reason": None,
@@ -127,6 +131,9 @@ def stream_chat(base_url: str, body: dict, timeout: float = 600, on_tokens=None)
             if "error" in chunk and not chunk.get("choices"):
                 record["error"] = f"server error in stream: {json.dumps(chunk['error'])[:500]}"
                 return record
+            record["t_end"] = now
+            if chunk.get("choices"):
+                record["choice_chunks"].append(now - record["t_sent"])
             usage = chunk.get("usage") or {}
             if usage.get("prompt_tokens") is not None:
                 record["prompt_tokens"] = usage["prompt_tokens"]
@@ -322,6 +329,118 @@ def stats(values: list[float]) -> dict | None:
         "min": ordered[0],
         "max": ordered[-1],
         "n": len(ordered),
+    }
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of sorted values, interpolated linearly (numpy's default)."""
+    pos = q / 100 * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+LATENCY_PERCENTILES = (50, 90, 99)
+
+
+def latency_stats(seconds: list[float]) -> dict | None:
+    """TTFT / TPOT / ITL / E2EL statistics in milliseconds as `vllm bench serve` prints them:
+    mean, std (population), median and percentiles (linear interpolation, like numpy), plus n,
+    min and max. None when there is no value (vLLM prints 0 then; a 0 would read as a figure)."""
+    if not seconds:
+        return None
+    ordered = sorted(s * 1000 for s in seconds)
+    mean = sum(ordered) / len(ordered)
+    out = {
+        "n": len(ordered),
+        "mean": mean,
+        "std": (sum((x - mean) ** 2 for x in ordered) / len(ordered)) ** 0.5,
+        "median": percentile(ordered, 50),
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
+    out.update({f"p{q}": percentile(ordered, q) for q in LATENCY_PERCENTILES})
+    return out
+
+
+MIN_DECODE_INTERVAL_S = 0.002
+
+
+def request_timing(raw: dict, min_decode_interval_s: float = MIN_DECODE_INTERVAL_S) -> dict:
+    """Per-request figures of one `stream_chat()` record, defined as vLLM 0.29's `vllm bench serve`
+    defines them (vllm/benchmarks/lib/endpoint_request_func.py, `calculate_metrics` in
+    vllm/benchmarks/serve.py), for the chat endpoint:
+
+    - ttft_s: from sending to the first chunk with a non-empty `choices` (vLLM's chat server sends
+      the role chunk in the same engine step as the first token);
+    - e2el_s: from sending to the last data chunk (the usage-only chunk included);
+    - itl_s: the gaps between consecutive `choices` chunks. Under MTP one chunk carries several
+      tokens, so an ITL is the time of one engine step, not of one token;
+    - tpot_s: (e2el - ttft) / (output tokens - 1), for requests of more than one output token.
+
+    And one figure of our own: decode_tok_per_s = 1 / tpot_s, but only where the stream shows a
+    decode interval: at least two output tokens, a chunk with tokens after the first one, and at
+    least `min_decode_interval_s` between the first and the last token. On a saturated host a
+    whole reply can arrive in one burst (first and last token within microseconds); 1 / tpot is
+    then a division by about zero, so such a request is marked unmeasured
+    (decode_unmeasured_reason) instead of being given a meaningless figure.
+    """
+    out = {
+        "ttft_s": None,
+        "e2el_s": None,
+        "itl_s": [],
+        "tpot_s": None,
+        "decode_tok_per_s": None,
+        "decode_interval_s": None,
+        "decode_unmeasured_reason": None,
+    }
+    if not raw.get("ok"):
+        out["decode_unmeasured_reason"] = "request failed"
+        return out
+    choices = raw.get("choice_chunks") or []
+    t_sent, tokens = raw["t_sent"], raw["completion_tokens"]
+    if choices:
+        out["ttft_s"] = choices[0]
+        out["itl_s"] = [b - a for a, b in zip(choices, choices[1:], strict=False)]
+    if raw.get("t_end") is not None:
+        out["e2el_s"] = raw["t_end"] - t_sent
+    if out["ttft_s"] is not None and out["e2el_s"] is not None and tokens > 1:
+        out["tpot_s"] = (out["e2el_s"] - out["ttft_s"]) / (tokens - 1)
+    if raw.get("t_first") is not None and raw.get("t_last") is not None:
+        out["decode_interval_s"] = raw["t_last"] - raw["t_first"]
+    token_chunks = len(raw.get("chunks") or [])
+    if tokens < 2:
+        out["decode_unmeasured_reason"] = f"{tokens} output token(s): no decode"
+    elif token_chunks < 2:
+        out["decode_unmeasured_reason"] = "every token came in the first chunk: no decode interval"
+    elif out["decode_interval_s"] < min_decode_interval_s:
+        out["decode_unmeasured_reason"] = (
+            f"{tokens - raw['first_chunk_tokens']} tokens arrived within {out['decode_interval_s'] * 1e3:.3f} ms of "
+            f"the first (one burst, under the {min_decode_interval_s * 1e3:g} ms minimum decode interval)"
+        )
+    elif out["tpot_s"] and out["tpot_s"] > 0:
+        out["decode_tok_per_s"] = 1 / out["tpot_s"]
+    else:
+        out["decode_unmeasured_reason"] = "no time between the first token and the end of the stream"
+    return out
+
+
+def rate_stats(rates: list[float], unmeasured: int) -> dict | None:
+    """Per-request decode tok/s of the measured requests: median, p10, p90, min, max and the
+    harmonic mean (= 1 / mean time per token). No arithmetic mean: one burst-inflated rate would
+    dominate it, which is exactly what a harmonic mean is immune to."""
+    if not rates:
+        return None
+    ordered = sorted(rates)
+    return {
+        "n": len(ordered),
+        "unmeasured": unmeasured,
+        "median": percentile(ordered, 50),
+        "p10": percentile(ordered, 10),
+        "p90": percentile(ordered, 90),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "harmonic_mean": len(ordered) / sum(1 / r for r in ordered),
     }
 
 
