@@ -224,13 +224,17 @@ memory to the new tree to check that it reproduces the merge.
 If any hunk needs a hand (upstream changed the lines a hunk changes, moved or removed a file the
 patch edits, or already has a file the patch creates) each one is reported: the patch, the file,
 the patch's hunk, and the region as the old release had it, as the new release has it, and as
-the patch makes it. Then NOTHING is written (exit 1): carry the patches that merge cleanly alone
-(`rebase NAME ...`), or finish by hand (patches/README.md says how).
+the patch makes it. Then no series is written (exit 1). To finish by hand, add --work DIR: each
+such file is written to DIR/<patch>/<path>, merged, with diff3-style markers around each conflict
+(<<<<<<< the new release, ||||||| the old one, ======= the patch's side, >>>>>>>). Edit them
+(every marker removed) and run the same command again: a file there without markers is taken as
+that patch's version of the file, and the patches after it are carried on top of it. Without
+--work nothing at all is written.
 
     python3 tests/env/fetch_sdist.py 0.29.0 ~/sdist        # a pristine base tree (or a checkout)
     scripts/patches.py rebase --base ~/sdist/vllm-0.29.0 --python ~/venvs/vllm-0.31/bin/python
     scripts/patches.py rebase mtp-pruning --series 0.29.0 --base ~/sdist/vllm-0.29.0 \\
-        --target ~/src/vllm --output /tmp/vllm-0.31.0-series
+        --target ~/src/vllm --output /tmp/vllm-0.31.0-series --work /tmp/rebase-work
 
 --series picks the series to carry (default: the one for --base's release). Neither tree is
 changed. Exit codes: 0 written; 1 conflicts or the output exists (nothing written); 2 usage or
@@ -618,11 +622,12 @@ def _matches_of(a: list[str], b: list[str]) -> dict[int, int]:
     return pairs
 
 
-def merge3(base: list[str], ours: list[str], theirs: list[str]):
+def merge3(base: list[str], ours: list[str], theirs: list[str], labels: tuple[str, str, str] | None = None):
     """diff3-style merge of the change base -> theirs into ours.
 
     Returns (lines, conflicts); each conflict is (base_start, base_chunk, ours_start, ours_chunk,
-    theirs_start, theirs_chunk), and `lines` keeps ours' side where a conflict is.
+    theirs_start, theirs_chunk), and `lines` keeps ours' side where a conflict is, or, given
+    `labels` (ours, base, theirs), all three sides between diff3-style conflict markers.
     """
     to_ours, to_theirs = _matches_of(base, ours), _matches_of(base, theirs)
     merged: list[str] = []
@@ -647,11 +652,31 @@ def merge3(base: list[str], ours: list[str], theirs: list[str]):
             both = _merge_disjoint(chunk_o, chunk_b, chunk_a)
             if both is None:
                 conflicts.append((o, chunk_o, b, chunk_b, a, chunk_a))
-                merged.extend(chunk_b)
+                if labels:
+                    merged.append(f"{MARKERS[0]} {labels[0]}\n")
+                    merged.extend(_terminated(chunk_b))
+                    merged.append(f"{MARKERS[1]} {labels[1]}\n")
+                    merged.extend(_terminated(chunk_o))
+                    merged.append(f"{MARKERS[2]}\n")
+                    merged.extend(_terminated(chunk_a))
+                    merged.append(f"{MARKERS[3]} {labels[2]}\n")
+                else:
+                    merged.extend(chunk_b)
             else:
                 merged.extend(both)
         o, a, b = nxt, a2, b2
     return merged, conflicts
+
+
+MARKERS = ("<<<<<<<", "|||||||", "=======", ">>>>>>>")
+
+
+def _terminated(lines: list[str]) -> list[str]:
+    return [line if line.endswith("\n") else line + "\n" for line in lines]
+
+
+def has_markers(text: str) -> bool:
+    return any(line.startswith(MARKERS) for line in text.splitlines())
 
 
 def _edits(base: list[str], other: list[str]) -> list[tuple[int, int, list[str]]]:
@@ -769,6 +794,7 @@ def rebase_series(
     old_release: str,
     new_release: str,
     log=print,
+    work: str | None = None,
 ) -> tuple[list[Carried], list[MergeConflict], list[str]]:
     """Carry `patches` (in series order, already checked to apply on `base`) onto `new`.
 
@@ -776,6 +802,10 @@ def rebase_series(
     base-after-patch, and the new release's file with the earlier rebased patches applied are
     merged three ways. Returns (carried, conflicts, skipped): a patch that requires a conflicting
     one, or edits a file an earlier patch left in conflict, is skipped (named in `skipped`).
+
+    With `work`, a file that needs a hand is resolved by WORK/<patch>/<path> when that file
+    exists without conflict markers; otherwise it is written there, merged, with diff3-style
+    markers around each conflict, for the user to edit.
     """
     carried: list[Carried] = []
     conflicts: list[MergeConflict] = []
@@ -809,6 +839,14 @@ def rebase_series(
                 result[fp.path] = t
                 out_sections.append(section)
                 continue
+            inputs = _inputs_digest(o, b, t)
+            resolved, stale = _resolution(work, patch.name, fp.path, inputs)
+            if resolved is not None:
+                how[fp.path] = "resolved by hand"
+                result[fp.path] = resolved
+                out_sections.append(file_diff(fp.path, b, resolved))
+                continue
+            before_conflicts = len(mine)
             if o is None:  # the patch creates the file
                 mine.append(
                     MergeConflict(
@@ -862,7 +900,23 @@ def rebase_series(
                         f"vLLM {new_release} changed the lines this hunk changes",
                     )
                 )
-            if found:
+            if stale and not found:
+                mine.append(
+                    MergeConflict(
+                        patch.name,
+                        fp.path,
+                        ["(hand resolution)"],
+                        None,
+                        None,
+                        None,
+                        "the hand-resolved file was made for another version of the patch or of a release",
+                    )
+                )
+            if found or stale:
+                if work:
+                    labels = (f"vLLM {new_release}", f"vLLM {old_release}", f"{patch.name} (the patch)")
+                    marked, _ = merge3(split_lines(o), split_lines(b), split_lines(t), labels)
+                    _write_work(work, patch.name, fp.path, "".join(marked), mine[before_conflicts:], inputs)
                 continue
             merged_text = "".join(merged)
             how[fp.path] = "merged"
@@ -882,6 +936,66 @@ def rebase_series(
         counts = ", ".join(f"{sum(1 for v in how.values() if v == k)} {k}" for k in sorted(set(how.values())))
         log(f"  {patch.name}: carried ({counts})")
     return carried, conflicts, skipped
+
+
+def _work_path(work: str, patch_name: str, path: str) -> str:
+    return os.path.join(work, patch_name.removesuffix(".patch"), path)
+
+
+def _inputs_digest(*texts: str | None) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(b"-" if text is None else hashlib.sha256(text.encode("utf-8")).digest())
+    return digest.hexdigest()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _resolution(work: str | None, patch_name: str, path: str, inputs: str) -> tuple[str | None, bool]:
+    """(text, stale) of the hand-resolved file WORK/<patch>/<path>.
+
+    text is None unless the file exists without conflict markers and was resolved for these
+    very three inputs (its `.merge-inputs` stamp, written with the merge, matches); stale is
+    True when it was resolved for other inputs (the patch or a release changed since).
+    """
+    if not work:
+        return None, False
+    target = _work_path(work, patch_name, path)
+    text = _read(target)
+    if text is None:
+        return None, False
+    stamp = _read(target + ".merge-inputs")
+    if stamp is not None and stamp.strip() != inputs:
+        return None, True
+    return (None if has_markers(text) else text), False
+
+
+def _write_work(work: str, patch_name: str, path: str, text: str, conflicts: list[MergeConflict], inputs: str) -> None:
+    """Write the merge with markers for hand resolution, stamped with its inputs' digest. A file
+    being edited for the same inputs is left alone; one made for other inputs is kept as .old."""
+    target = _work_path(work, patch_name, path)
+    stamp_file = target + ".merge-inputs"
+    existing, stamp = _read(target), _read(stamp_file)
+    note = f"; resolve it in {target}"
+    if existing is not None and stamp is not None and stamp.strip() == inputs:
+        pass
+    else:
+        if existing is not None:
+            os.replace(target, target + ".old")
+            note = f"; {target} was resolved for other inputs (kept as {target}.old): resolve the fresh merge there"
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        with open(stamp_file, "w", encoding="utf-8") as f:
+            f.write(inputs + "\n")
+    for conflict in conflicts:
+        conflict.reason += note
 
 
 def _retarget_header(header: str, old_release: str, new_release: str) -> str:
@@ -1022,17 +1136,22 @@ def command_rebase(args) -> int:
         print(
             f"  also carrying {', '.join(sorted(extra, key=list(by_name).index))} (required by the patches asked for)"
         )
-    carried, conflicts, skipped = rebase_series(chosen, texts, base, new, old_release, new_release)
+    carried, conflicts, skipped = rebase_series(chosen, texts, base, new, old_release, new_release, work=args.work)
     if conflicts or skipped:
         print(report_conflicts(conflicts, old_release, new_release, args.max_lines), file=sys.stderr)
         for line in skipped:
             print(f"  {line}", file=sys.stderr)
-        print(
-            f"error: {len(conflicts)} hunk(s) need a hand; nothing was written. Carry the others alone "
-            f"(`rebase NAME ...`), or apply the series with --series {old_release} to a copy of the new tree "
-            f'by hand and write the patch from it (patches/README.md, "Rebasing by hand")',
-            file=sys.stderr,
-        )
+        if args.work:
+            hint = (
+                f"edit the files named above under {args.work} (remove every conflict marker), "
+                "then run the same command again"
+            )
+        else:
+            hint = (
+                "carry the others alone (`rebase NAME ...`), or add --work DIR to get each file merged with "
+                "conflict markers to resolve by hand, then run the same command again"
+            )
+        print(f"error: {len(conflicts)} hunk(s) need a hand; no series was written. Next: {hint}", file=sys.stderr)
         return 1
 
     # Self-check: the written patches must apply on the new tree, in order, to exactly the merge.
@@ -1235,6 +1354,12 @@ def main(argv: list[str] | None = None) -> int:
         "--output", metavar="DIR", help="folder for the rebased series (default: PATCHES_DIR/vllm-<target release>)"
     )
     p_rebase.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    p_rebase.add_argument(
+        "--work",
+        metavar="DIR",
+        help="resolve conflicts by hand: files that need a hand are written to DIR/<patch>/<path> with "
+        "conflict markers; once edited (markers gone), the next run takes them as the merge",
+    )
     p_rebase.add_argument(
         "--max-lines", type=int, default=40, metavar="N", help="lines shown per side of a conflict (0: all; default 40)"
     )
