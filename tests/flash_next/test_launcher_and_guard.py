@@ -484,3 +484,227 @@ def test_tools_show_help_without_a_server():
         proc = run_tool(tool, "--help", timeout=60)
         assert proc.returncode == 0 and "usage:" in proc.stdout, tool
     assert (REPO / "scripts" / "flash_next" / "run_suite.sh").stat().st_mode & stat.S_IXUSR
+
+
+# --------------------------------------------------------------------------------------------
+# Memory guard: the signals besides MemAvailable, on real processes
+
+
+def _idle_server() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+
+def _watch(pid: int, log: Path, *options: str, timeout: float = 60) -> subprocess.Popen:
+    cmd = [PYTHON, str(TOOLS / "memguard.py"), "watch", "--pid", str(pid), "--min-available", "1MiB"]
+    cmd += ["--interval", "0.1", "--grace", "5", "--log", str(log), "--kernel-log", "none", *options]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path: Path, needle: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if needle in text:
+            return text
+        time.sleep(0.05)
+    raise AssertionError(f"{needle!r} not in {path} after {timeout} s:\n{text}")
+
+
+@pytest.mark.parametrize(
+    "source, line",
+    [
+        ("server", "RuntimeError: CUDA error: cudaErrorMemoryAllocation: out of memory"),
+        ("server", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        ("kernel", "NVRM: nvAssertOkFailedNoLog: Assertion failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051)"),
+    ],
+)
+def test_memguard_stops_its_server_on_a_driver_out_of_memory_line(tmp_path, source, line):
+    server, sibling = _idle_server(), _idle_server()
+    server_log, kernel_log, guard_log = tmp_path / "server.log", tmp_path / "kern.log", tmp_path / "guard.log"
+    server_log.write_text("INFO vLLM starting\n")
+    kernel_log.write_text("an old line: NVRM: Xid (PCI:0000:01:00): 31, pid=1, name=x\n")  # history: not acted on
+    try:
+        guard = _watch(server.pid, guard_log, "--server-log", str(server_log), "--kernel-log", str(kernel_log))
+        _wait_for(guard_log, "driver errors: stop on server log")
+        time.sleep(0.5)
+        assert guard.poll() is None, "a line from before the guard started stopped the server"
+        with open(server_log if source == "server" else kernel_log, "a") as f:
+            f.write(line + "\n")
+        assert guard.wait(timeout=30) == 3, guard_log.read_text()
+        assert server.wait(timeout=10) == -signal.SIGTERM
+        assert sibling.poll() is None
+        text = guard_log.read_text()
+        assert f"driver error in {'server log ' + str(server_log) if source == 'server' else 'kernel log'}" in text
+        assert line[:40] in text and f"stopping process group {server.pid}" in text
+    finally:
+        for proc in (server, sibling):
+            proc.kill()
+            proc.wait()
+
+
+def test_memguard_leaves_its_server_on_an_xid_of_another_process(tmp_path):
+    server = _idle_server()
+    kernel_log, guard_log = tmp_path / "kern.log", tmp_path / "guard.log"
+    kernel_log.write_text("")
+    try:
+        guard = _watch(server.pid, guard_log, "--kernel-log", str(kernel_log))
+        _wait_for(guard_log, "kernel log: ")
+        other = os.getpid()  # not in the server's process group
+        with open(kernel_log, "a") as f:
+            f.write(f"NVRM: Xid (PCI:0000:01:00): 13, pid={other}, name=python3, Graphics Exception\n")
+        _wait_for(guard_log, f"driver error of another process (PID {other})")
+        assert guard.poll() is None and server.poll() is None
+        with open(kernel_log, "a") as f:
+            f.write(f"NVRM: Xid (PCI:0000:01:00): 31, pid={server.pid}, name=python3, MMU Fault\n")
+        assert guard.wait(timeout=30) == 3
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_memguard_stops_on_psi_full_pressure_and_warns_on_some(tmp_path):
+    server = _idle_server()
+    psi, guard_log = tmp_path / "memory.pressure", tmp_path / "guard.log"
+    psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    try:
+        guard = _watch(server.pid, guard_log, "--psi-file", str(psi), "--max-psi-full", "20", "--warn-psi-some", "10")
+        _wait_for(guard_log, f"PSI: {psi}")
+        psi.write_text(
+            "some avg10=15.00 avg60=3.00 avg300=1.00 total=9\nfull avg10=4.00 avg60=1.0 avg300=0.2 total=5\n"
+        )
+        _wait_for(guard_log, "warning: memory pressure rising: PSI some avg10 15.00 %")
+        assert guard.poll() is None
+        psi.write_text("some avg10=60.00 avg60=9.00 avg300=1.00 total=99\nfull avg10=35.50 avg60=6 avg300=1 total=50\n")
+        assert guard.wait(timeout=30) == 3
+        assert "memory pressure: PSI full avg10 35.50 % >= 20 %" in guard_log.read_text()
+        assert server.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_memguard_says_when_psi_is_missing_and_keeps_guarding(tmp_path):
+    server = _idle_server()
+    guard_log = tmp_path / "guard.log"
+    try:
+        guard = _watch(server.pid, guard_log, "--psi-file", str(tmp_path / "absent"))
+        text = _wait_for(guard_log, "GPU memory: ")
+        assert f"PSI: not available ({tmp_path / 'absent'} missing" in text
+        assert guard.poll() is None
+    finally:
+        server.kill()
+        server.wait()
+    assert guard.wait(timeout=30) == 0
+
+
+def test_memguard_stops_when_swap_in_use_grows(tmp_path):
+    # Swap cannot be filled on purpose on a shared machine: a meminfo file in /proc's format stands in.
+    real = Path("/proc/meminfo").read_text()
+
+    def meminfo(swap_free_kib: int) -> str:
+        lines = [line for line in real.splitlines() if not line.startswith(("SwapTotal:", "SwapFree:"))]
+        return "\n".join(lines + ["SwapTotal:       8388608 kB", f"SwapFree:        {swap_free_kib} kB"]) + "\n"
+
+    fake = tmp_path / "meminfo"
+    fake.write_text(meminfo(8388608))
+    server, guard_log = _idle_server(), tmp_path / "guard.log"
+    try:
+        guard = _watch(server.pid, guard_log, "--meminfo", str(fake), "--max-swap-growth", "1GiB")
+        _wait_for(guard_log, "swap: stop when swap in use grows by 1.00 GiB (now 0.00 GiB)")
+        fake.write_text(meminfo(8388608 - 512 * 1024))  # 0.5 GiB: under the limit
+        time.sleep(0.5)
+        assert guard.poll() is None
+        fake.write_text(meminfo(8388608 - 1536 * 1024))
+        assert guard.wait(timeout=30) == 3
+        assert "swap in use grew by 1.50 GiB to 1.50 GiB" in guard_log.read_text()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_memguard_reports_gpu_memory_where_the_driver_gives_it_and_says_why_not(tmp_path):
+    # No NVIDIA driver here: the guard must say so and keep guarding. Then a stand-in nvidia-smi that
+    # prints what the real one prints for `--query-gpu=memory.free,memory.total --format=csv,noheader,nounits`:
+    # "[N/A], [N/A]" on a GB10 (unified memory), MiB figures on a discrete GPU.
+    server = _idle_server()
+    try:
+        log = tmp_path / "none.log"
+        env = dict(os.environ, PATH=_path_without(tmp_path / "a", "nvidia-smi"))
+        guard = subprocess.Popen(
+            [PYTHON, str(TOOLS / "memguard.py"), "watch", "--pid", str(server.pid), "--min-available", "1MiB"]
+            + ["--kernel-log", "none", "--log", str(log)],
+            env=env,
+        )
+        text = _wait_for(log, "GPU memory: ")
+        if "libnvidia-ml" not in text and "NVML unavailable" not in text:
+            pytest.skip("this host has an NVIDIA driver")
+        assert "GPU memory: not available (NVML unavailable" in text and "no nvidia-smi on PATH" in text
+        guard.terminate()
+        guard.wait(timeout=10)
+        for name, output, needle, stops in (
+            ("gb10", "[N/A], [N/A]", "nvidia-smi reports no memory figures ([N/A], [N/A])", False),
+            ("h200", "1024, 143771", "GPU 0 free memory 1.00 GiB of 140.40 GiB < threshold 4.00 GiB", True),
+        ):
+            bin_dir = tmp_path / name
+            bin_dir.mkdir()
+            smi = bin_dir / "nvidia-smi"
+            smi.write_text(f"#!/bin/sh\necho '{output}'\n")
+            smi.chmod(0o755)
+            log = tmp_path / f"{name}.log"
+            guard = subprocess.Popen(
+                [PYTHON, str(TOOLS / "memguard.py"), "watch", "--pid", str(server.pid), "--min-available", "1MiB"]
+                + ["--kernel-log", "none", "--log", str(log), "--gpu-memory", "nvidia-smi", "--min-gpu-free", "4GiB"]
+                + ["--interval", "0.1", "--gpu-interval", "0.1"],
+                env=dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"),
+            )
+            if stops:
+                assert guard.wait(timeout=30) == 3
+                assert needle in log.read_text()
+                server = _idle_server()
+            else:
+                assert needle in _wait_for(log, "GPU memory: ")
+                time.sleep(0.5)
+                assert guard.poll() is None
+                guard.terminate()
+                guard.wait(timeout=10)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_memguard_warns_when_the_page_cache_is_dropped(tmp_path):
+    # drop_caches would slow every session on this shared machine; evicting one file of our own
+    # (posix_fadvise DONTNEED) makes the same kind of sudden Cached drop for the kernel's counters.
+    data = tmp_path / "table.bin"
+    with open(data, "wb") as f:
+        for _ in range(12):
+            f.write(os.urandom(64 << 20))  # 768 MiB
+        f.flush()
+        os.fsync(f.fileno())
+    with open(data, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    server, guard_log = _idle_server(), tmp_path / "guard.log"
+    try:
+        guard = _watch(
+            server.pid,
+            guard_log,
+            "--cache-drop-min",
+            "600MiB",
+            "--cache-drop-fraction",
+            "0",
+            "--cache-drop-window",
+            "3",
+        )
+        _wait_for(guard_log, "GPU memory: ")
+        time.sleep(1)
+        assert "page cache dropped" not in guard_log.read_text()
+        fd = os.open(data, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        text = _wait_for(guard_log, "warning: page cache dropped: Cached", timeout=10)
+        assert "ple_warmup.py warm" in text
+        assert guard.poll() is None, "a dropped page cache is a warning, not a reason to stop"
+    finally:
+        server.kill()
+        server.wait()
