@@ -1,41 +1,47 @@
 #!/usr/bin/env python3
-"""Per-step cost of serving the Qwen4Exp n-gram (PLE) table from disk, next to its floors.
+"""Per-step cost of serving the Qwen4Exp n-gram (PLE) table from disk, in a serving vLLM's conditions.
+
+H200: python3 scripts/ple_ssd/bench_staging.py --dir /var/tmp/ple-bench --table-gib 8 --out $OUT/ple-staging-h200.json
 
 Writes a table with the real row width (160 bf16 = 320 B) as 128 `shard_<i>` tensors in
 safetensors files, opens them the way vLLM's default loader does (zero-copy mmaps), and times
-staging one step's rows on the GPU for decode steps (1 token; 4 = c=1 with MTP k=3; 16 = c=4,
-k=3; 32 = c=8, k=3) and a prefill chunk (2048 tokens), 16 hashed heads per token:
+staging one step's rows for decode steps (1 token; 4 = c=1 with MTP k=3; 16 = c=4, k=3; 32 =
+c=8, k=3) and a prefill chunk (2048 tokens), 16 hashed heads per token. The code under test is
+the module that patch 0001 adds to vLLM, read from the patch file itself (so the benchmark
+needs only torch, numpy and safetensors), beside the same module as it was before issue 14
+(`baseline/0001-ple-mmap-table.before-issue-14.patch`), in one run:
 
-- `ple_mmap_stage`: patch 0002's path, `MmapNGramTable.stage()` from the step's token ids on
-  the device (as `Qwen4ExpModelState.prepare_inputs` calls it): hashing included.
-- `ple_mmap_stage_host`: the same from token ids already on the host (no device-to-host wait).
-- `ple_mmap_lookup`: patch 0001's path, `MmapNGramTable.lookup()` from hashed ids on the device.
-- `baseline`: the straightforward variant, from hashed ids on the device: GPU `unique`, one
-  device-to-host copy, per-shard runs over a thread pool of `index_select`s into a pinned
-  buffer, one host-to-device copy, the inverse index on the GPU.
-- `ple_mmap_stage_sorted` / `ple_mmap_stage_direct`: the stage with every step deduplicated on
-  the device / none deduplicated (large steps hashed on the host): the size threshold's data.
-- `resident`: `F.embedding` of the same ids on a device-resident copy of the table (the floor).
-- `sync_only`: nothing but the device synchronisation every timed step ends with.
-- `breakdown_us`: a decode step's `stage()` split into its parts (ids to the host, numpy
-  hashing, the gather into the pinned buffer, the upload), each timed alone, in microseconds.
+`--suite server` (the default) times the conditions a serving vLLM worker runs in:
 
-Each is timed warm (pages cached and mapped), `cached` (in the page cache, not mapped: minor
-faults) and cold (pages dropped with madvise(MADV_DONTNEED) + posix_fadvise(DONTNEED) before
-every step), for several thread counts, beside the disk's own random 4 KiB O_DIRECT read
-latency and IOPS at the same parallelism. A CUDA graph captured over the staged rows shows
-that replays after re-staging read the fresh rows.
+- `stage/*`: `MmapNGramTable.stage()` from the step's inputs on the device, as
+  `Qwen4ExpModelState.prepare_inputs` calls it (the new one with `query_start_loc` from the
+  runner's host copy), old beside new, with ONE torch thread (`server`: vLLM calls
+  `set_torch_threads_for_runtime()` after warm-up) and with torch's free thread count (`free`).
+- `gather/*`: the row gather alone over N random rows, same two conditions: the old
+  `torch.index_select` over the byte view (parallel only through torch's threads), the new
+  numpy gather in the calling thread, and the new gather as shipped (its own thread pool from
+  `pool_min_rows` rows): where the switch point belongs with one torch thread.
+- `gpu/*` (CUDA only, one torch thread): staging with the GPU `idle`, `busy` (a matmul
+  workload on another stream runs through the whole step, standing in for the previous
+  step's kernels) and `after_previous_step` (the workload is enqueued on the same stream just
+  before staging, so the copy of the step's ids waits for it, as in a server; the workload's
+  own time alone is subtracted). Each record also holds the staging thread's CPU time
+  (`cpu_ms`): a wait that spins costs CPU time, a blocking wait does not.
+- `breakdown_us`: a decode step's `stage()` split into its parts; `cuda_graph`: a graph
+  captured over the staged rows reads freshly staged rows on each replay; `stale_replay`: a
+  replay with no stage before it is refused by the device-side check (in a child process).
 
-The code under test is the module that patch 0001 adds to vLLM, read from the patch file
-itself, so the benchmark needs only torch, numpy and safetensors:
+`--suite full` runs the earlier, longer comparison (every method, warm / cached / cold, several
+gather thread counts, the disk's own random-read rate) with the current module.
 
     python3 scripts/ple_ssd/bench_staging.py --dir /var/tmp/ple-bench --table-gib 8 \\
         --out results/ple_ssd_bench.json
 
-JSON output: {"summary": {"METHOD/MODE/TOKENS/tTHREADS": {"median_ms", "p90_ms", "n"}},
-"matches_resident": {"METHOD/TOKENS": bool}, "breakdown_us": {TOKENS: {PART: us}}, "cuda_graph": {...},
-"disk": [...], "environment": {...}, "errors": [...], "skipped": [...], "records": [...every timed step, in ms...]}.
-"""
+JSON output: {"summary": {"KEY/PARTS": {"median_ms", "p90_ms", "n", ["cpu_median_ms"]}},
+"matches_resident": {...: bool}, "breakdown_us": {...}, "cuda_graph": {...}, "stale_replay": {...},
+"environment": {...}, "errors": [...], "skipped": [...], "records": [...every timed step, in ms...]}.
+A CPU smoke run (no GPU, a small table): `--device cpu --table-gib 0.02 --warm-iters 5
+--sweep-rows 256,4096 --tokens 1,4,2048`."""
 
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -55,10 +62,12 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PATCH = REPO / "patches" / "vllm-0.29.0" / "ple-ssd" / "0001-ple-mmap-table.patch"
+BEFORE_PATCH = Path(__file__).resolve().parent / "baseline" / "0001-ple-mmap-table.before-issue-14.patch"
 MODULE_PATH = "vllm/models/qwen4_exp/ple_mmap.py"
 ROW_WIDTH = 160
 NGRAM_SIZE, HEADS_PER_NGRAM = 3, 8
@@ -69,14 +78,14 @@ EOS = 248_044
 STEPS = {1: (1, 1), 4: (1, 4), 16: (4, 4), 32: (8, 4), 2048: (1, 2048)}
 
 
-def load_module_from_patch(patch: Path, path: str = MODULE_PATH):
+def load_module_from_patch(patch: Path, path: str = MODULE_PATH, name: str = "ple_mmap"):
     """The new file that a patch adds, imported as a module (the patch tool's own parser)."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import patches
     finally:
         sys.path.remove(str(REPO / "scripts"))
-    return patches.load_new_module(patch, path, "ple_mmap")
+    return patches.load_new_module(patch, path, name)
 
 
 # --------------------------------------------------------------------------- table on disk
@@ -300,7 +309,285 @@ def time_steps(method, threads, next_step, iterations, warmups, device, before=N
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
+# --------------------------------------------------------------------------- server conditions
+FREE = "free"
+SERVER = "server"
+
+
+def busy_workload(device: torch.device):
+    """A GPU workload standing in for the previous step: `run(ms, stream)` enqueues ~ms of
+    bf16 matmuls on `stream` (calibrated once) and returns without waiting."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    for _ in range(3):
+        torch.matmul(a, a, out=c)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(20):
+        torch.matmul(a, a, out=c)
+    torch.cuda.synchronize()
+    per_matmul_ms = (time.perf_counter() - began) * 1e3 / 20
+
+    def run(ms: float, stream) -> None:
+        with torch.cuda.stream(stream):
+            for _ in range(max(1, round(ms / per_matmul_ms))):
+                torch.matmul(a, a, out=c)
+
+    run.per_matmul_ms = per_matmul_ms
+    return run
+
+
+def time_one(step_fn, device, stream_sync: bool) -> tuple[float, float]:
+    """(wall ms, this thread's CPU ms) of one call, its GPU work included."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    step_fn()
+    if device.type == "cuda":
+        if stream_sync:
+            torch.cuda.current_stream().synchronize()
+        else:
+            torch.cuda.synchronize()
+    return (time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3
+
+
+def run_server(args, ctx: dict, results: dict, save) -> None:
+    """Issue 14's server conditions: one torch thread beside the free count (item 1), the
+    GPU idle beside busy (item 5), the code before issue 14 beside the current one."""
+    device, shards, hasher, resident = ctx["device"], ctx["shards"], ctx["hasher"], ctx["resident"]
+    token_sizes, max_tokens = ctx["token_sizes"], max(ctx["token_sizes"])
+    free_threads = torch.get_num_threads()
+    conditions = {SERVER: 1, FREE: free_threads}
+    results["environment"]["torch_threads_free"] = free_threads
+
+    def build(module, **settings):
+        with torch.device(device):
+            table = module.MmapNGramTable(
+                num_rows=ctx["num_rows"],
+                row_width=ROW_WIDTH,
+                dtype=torch.bfloat16,
+                num_shards=len(shards),
+                max_tokens=max_tokens,
+                heads=HEADS,
+                hasher=hasher,
+                static_output=True,
+                **settings,
+            )
+        for index, shard in shards.items():
+            table.add_shard(index, shard)
+        if module is ctx["new"]:
+            table.finish_loading(release=False)  # the bench's files hold nothing else
+        else:
+            table.finish_loading()
+        return table
+
+    new = build(ctx["new"])
+    old = build(ctx["old"], num_threads=args.pool_threads)
+    results["environment"]["table"] = new.describe()
+    results["environment"]["old_table"] = old.describe()
+    rng = random.Random(11)
+    np_rng = np.random.default_rng(11)
+
+    def inputs(tokens):
+        host = make_step(rng, tokens)
+        dev = tuple(t.to(device) for t in host)
+        sync(device)
+        return host, dev
+
+    def new_stage(host, dev):
+        # As Qwen4ExpModelState.prepare_inputs calls it: query_start_loc from the host copy.
+        new.stage(dev[0], host[1].numpy(), dev[2])
+        new.check_staged_host()  # the forward's read, host side
+
+    def old_stage(host, dev):
+        old.stage(*dev)
+
+    stages = {"old_stage": old_stage, "new_stage": new_stage}
+
+    # Correctness: both stages against the resident table.
+    checks = {}
+    for tokens in token_sizes:
+        host, dev = inputs(tokens)
+        want = torch.nn.functional.embedding(hasher.ids_tensor(*dev), resident).reshape(tokens, -1)
+        for name, fn in stages.items():
+            fn(host, dev)
+            table = new if name == "new_stage" else old
+            checks[f"{name}/{tokens}"] = bool(
+                torch.equal(table.staged(tokens).view(torch.int16), want.view(torch.int16))
+            )
+    results["matches_resident"] = checks
+    print("matches resident:", checks, file=sys.stderr, flush=True)
+
+    def record(section, method, condition, size, walls, cpus=None):
+        entry = {"key": [section, method, condition, str(size)], "times_ms": walls}
+        if cpus is not None:
+            entry["cpu_ms"] = cpus
+        results["records"].append(entry)
+        print(
+            f"{section:6s} {method:22s} {condition:14s} {size:>6} median {statistics.median(walls):8.3f} ms"
+            + (f"  cpu {statistics.median(cpus):8.3f} ms" if cpus else "")
+            + f" (n={len(walls)})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def iterations(size):
+        return max(5, args.warm_iters // 4) if size >= 1024 else args.warm_iters
+
+    # Item 1: torch threads 1 (vLLM after warm-up) beside the free count; old beside new.
+    for condition, threads in conditions.items():
+        torch.set_num_threads(threads)
+        for tokens in token_sizes:
+            for name, fn in stages.items():
+                walls = []
+                for index in range(iterations(tokens) + 3):
+                    host, dev = inputs(tokens)
+                    wall, _ = time_one(lambda fn=fn, host=host, dev=dev: fn(host, dev), device, False)
+                    if index >= 3:
+                        walls.append(wall)
+                record("stage", name, condition, tokens, walls)
+        for rows in args.sweep_rows:
+            offsets_of = functools.partial(np_rng.integers, 0, ctx["num_rows"], rows, dtype=np.int64)
+            gathers = {
+                # What the old code did above 256 rows (and for a prefill chunk's unique rows):
+                # one torch.index_select over the byte view, parallel only through torch's threads.
+                "old_index_select": lambda offs: torch.index_select(
+                    old.rows_at, 0, torch.from_numpy(offs), out=old.host_rows[: offs.size]
+                ),
+                "new_calling_thread": lambda offs: new._copy_rows(offs, 0, offs.size, new.host_rows_np),
+                "new_gather": lambda offs: new.gather_offsets(offs, new.host_rows_np),
+            }
+            for name, fn in gathers.items():
+                walls = []
+                for index in range(iterations(rows) + 3):
+                    ids = offsets_of()
+                    offs = new.shard_base_np[ids // new.shard_size] + ids * new.row_bytes
+                    wall, _ = time_one(lambda fn=fn, offs=offs: fn(offs), torch.device("cpu"), False)
+                    if index >= 3:
+                        walls.append(wall)
+                record("gather", name, condition, rows, walls)
+        save()
+    torch.set_num_threads(1)
+
+    # Item 5: the server condition (one torch thread), GPU idle / busy / after the previous step.
+    if device.type != "cuda":
+        results["skipped"].append("item 5 busy and after-previous-step modes: no CUDA device")
+    else:
+        workload = busy_workload(device)
+        side = torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        results["environment"]["busy_matmul_ms"] = workload.per_matmul_ms
+        prev_ms = args.previous_step_ms
+        # The previous step alone, for the after-previous-step figures.
+        alone = []
+        for _ in range(20):
+            alone.append(time_one(lambda: workload(prev_ms, main), device, True)[0])
+        previous_alone = statistics.median(alone)
+        results["environment"]["previous_step_alone_ms"] = previous_alone
+        for tokens in token_sizes:
+            for name, fn in stages.items():
+                for state in ("idle", "busy", "after_previous_step"):
+                    walls, cpus = [], []
+                    for index in range(iterations(tokens) + 3):
+                        host, dev = inputs(tokens)
+                        if state == "busy":
+                            # Another stream keeps the GPU busy for longer than the step takes.
+                            workload(args.busy_ms if tokens < 1024 else 4 * args.busy_ms, side)
+                        if state == "after_previous_step":
+                            # The step's inputs wait for the previous step's kernels (same stream).
+                            def step(fn=fn, host=host, dev=dev):
+                                workload(prev_ms, main)
+                                fn(host, dev)
+                        else:
+
+                            def step(fn=fn, host=host, dev=dev):
+                                fn(host, dev)
+
+                        wall, cpu = time_one(step, device, True)
+                        side.synchronize()
+                        if state == "after_previous_step":
+                            wall -= previous_alone
+                        if index >= 3:
+                            walls.append(wall)
+                            cpus.append(cpu)
+                    record("gpu", name, state, tokens, walls, cpus)
+            save()
+    try:
+        results["breakdown_us"] = breakdown(new, hasher, rng, device, token_sizes)
+    except Exception:
+        results["errors"].append({"breakdown": traceback.format_exc()})
+    if device.type == "cuda":
+        try:
+            results["cuda_graph"] = cuda_graph_check(new, hasher, resident, rng, device)
+        except Exception:
+            results["errors"].append({"cuda_graph": traceback.format_exc()})
+        results["stale_replay"] = stale_replay_check(args)
+    results["stats"] = dict(new.stats)
+
+
+def stale_replay_check(args) -> dict:
+    """A captured forward replayed without a stage must stop the process (device-side
+    assert). Run in a child process: the assert ends its CUDA context."""
+    command = [sys.executable, __file__, "--stale-replay-child", "--dir", str(args.dir)]
+    command += ["--table-gib", str(args.table_gib), "--shards", str(args.shards), "--files", str(args.files)]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": "timed out"}
+    log = proc.stdout + proc.stderr
+    staged_ok = "replay after stage: ok" in log
+    refused = proc.returncode != 0 and "device-side assert" in log.lower()
+    return {"ok": staged_ok and refused, "returncode": proc.returncode, "log_tail": log[-1500:]}
+
+
+def stale_replay_child(args) -> int:
+    ple_mmap = load_module_from_patch(args.patch)
+    device = torch.device("cuda")
+    paths = write_table(args.dir, args.table_gib, args.shards, args.files, "cuda")
+    shards = open_shards(paths)
+    num_rows = next(iter(shards.values())).shape[0] * len(shards)
+    hasher = make_hasher(ple_mmap, num_rows)
+    with torch.device(device):
+        table = ple_mmap.MmapNGramTable(
+            num_rows=num_rows,
+            row_width=ROW_WIDTH,
+            dtype=torch.bfloat16,
+            num_shards=len(shards),
+            max_tokens=4,
+            heads=HEADS,
+            hasher=hasher,
+            static_output=True,
+        )
+    for index, shard in shards.items():
+        table.add_shard(index, shard)
+    table.finish_loading(release=False)
+    weight = torch.randn(HEADS * ROW_WIDTH, 64, device=device, dtype=torch.bfloat16)
+    rng = random.Random(3)
+    table.stage_dummy()  # as Qwen4ExpModelState.prepare_dummy_inputs does before capture
+
+    def forward():
+        table.check_staged_device()
+        return table.staged(4) @ weight
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    for _ in range(3):
+        table.stage(*(t.to(device) for t in make_step(rng, 4)))
+        graph.replay()
+        torch.cuda.synchronize()
+    print("replay after stage: ok", flush=True)
+    graph.replay()  # no stage before it: the device-side assert must fire
+    torch.cuda.synchronize()
+    print("stale replay was NOT refused", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, required=True, help="where the table files go (a disk, not tmpfs)")
     parser.add_argument("--table-gib", type=float, default=8.0, help="table size in GiB")
@@ -315,22 +602,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=1e9, help="skip timings started after this")
     parser.add_argument("--patch", type=Path, default=DEFAULT_PATCH, help="patch that adds ple_mmap.py")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--suite", choices=["server", "full"], default="server", help="see above")
+    parser.add_argument("--sweep-rows", default="256,512,1024,2048,4096,8192,32768", help="gather sizes (server)")
+    parser.add_argument("--pool-threads", type=int, default=16, help="the old module's pool threads (server)")
+    parser.add_argument("--busy-ms", type=float, default=5.0, help="GPU-busy workload per decode step (server)")
+    parser.add_argument("--previous-step-ms", type=float, default=1.0, help="'previous step' workload (server)")
+    parser.add_argument("--before-patch", type=Path, default=BEFORE_PATCH, help="0001 before issue 14")
+    parser.add_argument("--stale-replay-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("ple_ssd_bench.json"), help="JSON results")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.sweep_rows = [int(r) for r in args.sweep_rows.split(",")]
+    if args.stale_replay_child:
+        return stale_replay_child(args)
     ple_mmap = load_module_from_patch(args.patch)
     device = torch.device(args.device)
     token_sizes = [int(t) for t in args.tokens.split(",")]
-    thread_counts = [int(t) for t in args.threads.split(",")]
-    modes = args.modes.split(",")
-    max_tokens = max(token_sizes)
     results: dict = {"environment": environment(device, args), "records": [], "errors": [], "skipped": []}
-    deadline = time.perf_counter() + args.deadline_s
 
     def save():
         results["summary"] = summarize(results["records"])
-        first = ["summary", "matches_resident", "breakdown_us", "cuda_graph", "disk", "environment", "errors"]
-        first.append("skipped")
+        first = ["summary", "matches_resident", "breakdown_us", "cuda_graph", "stale_replay", "disk", "stats"]
+        first += ["environment", "errors", "skipped"]
         ordered = {key: results[key] for key in first if key in results}
         ordered["records"] = results["records"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -344,6 +640,40 @@ def main(argv: list[str] | None = None) -> int:
     num_rows = shard_rows * len(shards)
     results["environment"].update(table_rows=num_rows, table_bytes=num_rows * ROW_WIDTH * 2, shard_rows=shard_rows)
     hasher = make_hasher(ple_mmap, num_rows)
+    began = time.perf_counter()
+    resident = torch.cat([shards[i] for i in range(len(shards))]).to(device)
+    results["environment"]["resident_copy_s"] = time.perf_counter() - began
+    ctx = {
+        "new": ple_mmap,
+        "device": device,
+        "shards": shards,
+        "paths": paths,
+        "hasher": hasher,
+        "resident": resident,
+        "num_rows": num_rows,
+        "shard_rows": shard_rows,
+        "token_sizes": token_sizes,
+    }
+    if args.suite == "server":
+        ctx["old"] = load_module_from_patch(args.before_patch, name="ple_mmap_before_issue_14")
+        run_server(args, ctx, results, save)
+    else:
+        run_full(args, ctx, results, save)
+    save()
+    print_table(results)
+    return 0
+
+
+def run_full(args, ctx: dict, results: dict, save) -> None:
+    """The earlier comparison: every method, warm / cached / cold, several thread counts."""
+    ple_mmap, device, shards, paths, hasher, resident = (
+        ctx[k] for k in ("new", "device", "shards", "paths", "hasher", "resident")
+    )
+    num_rows, shard_rows, token_sizes = ctx["num_rows"], ctx["shard_rows"], ctx["token_sizes"]
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    modes = args.modes.split(",")
+    max_tokens = max(token_sizes)
+    deadline = time.perf_counter() + args.deadline_s
     cache = CacheControl(shards, paths, ple_mmap)
 
     def make_table(threads: int, direct_copy_max_rows: int):
@@ -373,9 +703,6 @@ def main(argv: list[str] | None = None) -> int:
     results["environment"]["table"] = tables[thread_counts[0]].describe()
     baselines = {t: StraightforwardGather(shards, shard_rows, max_tokens * HEADS, t, device) for t in thread_counts}
 
-    began = time.perf_counter()
-    resident = torch.cat([shards[i] for i in range(len(shards))]).to(device)
-    results["environment"]["resident_copy_s"] = time.perf_counter() - began
     print("table ready:", results["environment"]["table"], file=sys.stderr, flush=True)
 
     rng = random.Random(7)
@@ -447,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     results["records"].append(
                         {
+                            "key": [name, mode, str(tokens), f"t{threads}"],
                             "method": name,
                             "tokens": tokens,
                             "mode": mode,
@@ -479,26 +807,30 @@ def main(argv: list[str] | None = None) -> int:
             results["cuda_graph"] = cuda_graph_check(tables[thread_counts[-1]], hasher, resident, rng, device)
         except Exception:
             results["errors"].append({"cuda_graph": traceback.format_exc()})
-    save()
-    print_table(results)
-    return 0
 
 
 def cuda_graph_check(table, hasher, resident, rng, device) -> dict:
     """Capture a forward over the staged rows once; replay after staging other steps."""
     tokens = 4
     weight = torch.randn(HEADS * ROW_WIDTH, 256, device=device, dtype=torch.bfloat16)
-    first = tuple(t.to(device) for t in make_step(rng, tokens))
-    table.stage(*first)
+    # As vLLM captures: dummy inputs (Qwen4ExpModelState.prepare_dummy_inputs marks them),
+    # warm-up runs, capture; the forward checks the step counter, then reads the rows.
+    table.stage_dummy()
+
+    def forward():
+        if hasattr(table, "check_staged_device"):
+            table.check_staged_device()
+        return table.staged(tokens) @ weight
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            output = table.staged(tokens) @ weight
+            output = forward()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        output = table.staged(tokens) @ weight
+        output = forward()
     report = {"replays": []}
     previous = None
     for replay in range(4):
@@ -531,13 +863,15 @@ def breakdown(table, hasher, rng, device, token_sizes, iterations: int = 200) ->
         arrays = [t.numpy() for t in host]
         ids = hasher.ids_numpy(*arrays).reshape(-1)
         staging, out = table.gather_host(ids)
+        qsl = arrays[1]
         parts = {
-            "ids_to_host": lambda dev=dev: table._host_arrays(*dev),  # copies + one wait (no-op on CPU)
+            # token ids and context copied back (query_start_loc from the host), one wait
+            "ids_to_host": lambda dev=dev, qsl=qsl: table._host_arrays(dev[0], qsl, dev[2]),
             "hash_numpy": lambda arrays=arrays: hasher.ids_numpy(*arrays),
             "gather_host": lambda ids=ids: table.gather_host(ids),  # offsets + rows into the pinned buffer
             "upload_and_sync": lambda out=out, staging=staging: (out.copy_(staging, non_blocking=True), sync(device)),
             "stage_host_ids_and_sync": lambda host=host: (table.stage(*host), sync(device)),
-            "stage_device_ids_and_sync": lambda dev=dev: (table.stage(*dev), sync(device)),
+            "stage_device_ids_and_sync": lambda dev=dev, qsl=qsl: (table.stage(dev[0], qsl, dev[2]), sync(device)),
         }
         report[tokens] = {}
         for name, part in parts.items():
@@ -574,23 +908,96 @@ def environment(device: torch.device, args) -> dict:
 def summarize(records: list[dict]) -> dict:
     summary: dict = {}
     for record in records:
-        key = f"{record['method']}/{record['mode']}/{record['tokens']}/t{record['threads']}"
         times = record["times_ms"]
-        summary[key] = {
+        entry = {
             "median_ms": statistics.median(times),
             "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
             "n": len(times),
         }
+        if record.get("cpu_ms"):
+            entry["cpu_median_ms"] = statistics.median(record["cpu_ms"])
+        summary["/".join(record["key"])] = entry
     return summary
 
 
+def side_by_side(summary: dict, rows: list[str], columns: list[tuple[str, str]], title: str, cpu=False) -> None:
+    """One table: a row per size, a column per (label, key template with {size})."""
+    width = max(12, *(len(label) + 1 for label, _ in columns))
+    print(f"\n{title}")
+    print(f"{'size':>6s} " + " ".join(f"{label:>{width}s}" for label, _ in columns))
+    for size in rows:
+        cells = []
+        for _, template in columns:
+            if template.startswith("ratio:"):
+                slow, fast = template[6:].split("|")
+                a, b = summary.get(slow.format(size=size)), summary.get(fast.format(size=size))
+                value = a["median_ms"] / b["median_ms"] if a and b and b["median_ms"] else None
+                cells.append(f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}s}")
+                continue
+            entry = summary.get(template.format(size=size))
+            if entry is None:
+                cells.append(f"{'-':>{width}s}")
+            elif cpu:
+                text = f"{entry['median_ms']:.3f}/{entry.get('cpu_median_ms', float('nan')):.3f}"
+                cells.append(f"{text:>{width}s}")
+            else:
+                cells.append(f"{entry['median_ms']:>{width}.3f}")
+        print(f"{size:>6s} " + " ".join(cells))
+
+
 def print_table(results: dict) -> None:
-    print(f"{'mode':6s} {'method':20s} {'tokens':>6s} {'thr':>4s} {'median ms':>10s} {'p90 ms':>8s}")
-    for key, value in results["summary"].items():
-        method, mode, tokens, threads = key.split("/")
-        print(
-            f"{mode:6s} {method:20s} {tokens:>6s} {threads[1:]:>4s} {value['median_ms']:10.3f} {value['p90_ms']:8.3f}"
+    summary = results["summary"]
+    env = results["environment"]
+    print(
+        f"machine: {env.get('gpu', 'no GPU')}, {env.get('cpu_model', '?')}, {env.get('cpus')} CPUs, "
+        f"torch {env.get('torch')}, free torch threads {env.get('torch_threads_free', '-')}"
+    )
+    if any(key.startswith("stage/") for key in summary):
+        sizes = sorted({key.split("/")[3] for key in summary if key.startswith("stage/")}, key=int)
+        side_by_side(
+            summary,
+            sizes,
+            [
+                ("old 1 thr", "stage/old_stage/server/{size}"),
+                ("new 1 thr", "stage/new_stage/server/{size}"),
+                ("old/new 1 thr", "ratio:stage/old_stage/server/{size}|stage/new_stage/server/{size}"),
+                ("old free", "stage/old_stage/free/{size}"),
+                ("new free", "stage/new_stage/free/{size}"),
+            ],
+            "item 1: stage() per step, median ms, tokens per step; one torch thread (server) vs free",
         )
+        sizes = sorted({key.split("/")[3] for key in summary if key.startswith("gather/")}, key=int)
+        side_by_side(
+            summary,
+            sizes,
+            [
+                ("old idxsel 1", "gather/old_index_select/server/{size}"),
+                ("new 1-thread 1", "gather/new_calling_thread/server/{size}"),
+                ("new shipped 1", "gather/new_gather/server/{size}"),
+                ("old/new 1", "ratio:gather/old_index_select/server/{size}|gather/new_gather/server/{size}"),
+                ("old idxsel free", "gather/old_index_select/free/{size}"),
+                ("new shipped free", "gather/new_gather/free/{size}"),
+            ],
+            "item 1: gather of N random warm rows, median ms (N rows); 1 = one torch thread",
+        )
+    if any(key.startswith("gpu/") for key in summary):
+        sizes = sorted({key.split("/")[3] for key in summary if key.startswith("gpu/")}, key=int)
+        columns = []
+        for state in ("idle", "busy", "after_previous_step"):
+            for method in ("old_stage", "new_stage"):
+                columns.append((f"{method[:3]} {state[:10]}", f"gpu/{method}/{state}/{{size}}"))
+        side_by_side(
+            summary,
+            sizes,
+            columns,
+            "item 5: stage() per step, one torch thread, wall ms / staging thread's CPU ms "
+            "(after_previous_step: minus the previous step's own time)",
+            cpu=True,
+        )
+    if not any(key.split("/")[0] in ("stage", "gather", "gpu") for key in summary):
+        print(f"{'key':50s} {'median ms':>10s} {'p90 ms':>8s}")
+        for key, value in summary.items():
+            print(f"{key:50s} {value['median_ms']:10.3f} {value['p90_ms']:8.3f}")
     for disk in results.get("disk", []):
         print(
             f"disk 4 KiB random O_DIRECT reads, {disk['threads']:2d} threads: {disk['iops']:.0f} IOPS, "
@@ -600,6 +1007,9 @@ def print_table(results: dict) -> None:
         print(f"stage() parts, {tokens} tokens, median us:", json.dumps(parts))
     if "cuda_graph" in results:
         print("CUDA graph replays read freshly staged rows:", results["cuda_graph"]["ok"])
+    if "stale_replay" in results:
+        print("CUDA graph replay without a stage refused by the device-side check:", results["stale_replay"]["ok"])
+    print("matches resident:", all(results.get("matches_resident", {}).values()), "; stats:", results.get("stats"))
     for error in results["errors"]:
         print("ERROR", json.dumps(error)[:2000])
 

@@ -131,7 +131,7 @@ def make_table(ple_mmap, table, shards, row_range=None, **settings):
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"direct_copy_max_rows": 0}, {"fault_seconds": 0.0, "rows_per_task": 5, "num_threads": 4}],
+    [{}, {"direct_copy_max_rows": 0}, {"pool_min_rows": 0, "rows_per_task": 5, "num_threads": 4}],
     ids=["defaults", "deduplicated", "thread-pool"],
 )
 @pytest.mark.parametrize("row_range", [None, (9_000, 23_456)], ids=["whole", "tp-rank-range"])
@@ -344,14 +344,42 @@ def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkp
         assert same_bits(runs["0001+0002", rank]["layer"], tp1), first_difference(runs["0001+0002", rank]["layer"], tp1)
 
 
-def test_staging_benchmark_runs_on_cpu_and_every_method_returns_the_resident_rows(tmp_path):
+def load_bench():
     spec = importlib.util.spec_from_file_location("bench_staging", REPO / "scripts" / "ple_ssd" / "bench_staging.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_staging_benchmark_times_the_server_conditions_on_cpu(tmp_path, capsys):
+    """The default suite: old beside new, one torch thread beside free; the H200 command line."""
+    bench = load_bench()
+    assert sum(line.startswith("H200: ") for line in bench.__doc__.splitlines()) == 1
     out = tmp_path / "bench.json"
     argv = ["--dir", str(tmp_path / "table"), "--table-gib", "0.02", "--files", "4", "--tokens", "1,4,2048"]
-    argv += ["--threads", "1,2", "--warm-iters", "3", "--modes", "warm", "--disk-seconds", "0.05"]
-    assert bench.main([*argv, "--device", "cpu", "--out", str(out)]) == 0
+    argv += ["--warm-iters", "5", "--sweep-rows", "256,4096", "--device", "cpu", "--out", str(out)]
+    assert bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert not report["errors"]
+    assert len(report["matches_resident"]) == 2 * 3 and all(report["matches_resident"].values())
+    for method in ("old_stage", "new_stage"):
+        for condition in ("server", "free"):
+            for tokens in (1, 4, 2048):
+                assert f"stage/{method}/{condition}/{tokens}" in report["summary"]
+    for method in ("old_index_select", "new_calling_thread", "new_gather"):
+        assert f"gather/{method}/server/4096" in report["summary"]
+    assert report["environment"]["torch_threads_free"] >= 1
+    printed = capsys.readouterr().out
+    assert "one torch thread (server) vs free" in printed and "old/new 1 thr" in printed
+
+
+def test_staging_benchmark_full_suite_runs_on_cpu_and_every_method_returns_the_resident_rows(tmp_path):
+    bench = load_bench()
+    out = tmp_path / "bench.json"
+    argv = ["--suite", "full", "--dir", str(tmp_path / "table"), "--table-gib", "0.02", "--files", "4"]
+    argv += ["--tokens", "1,4,2048", "--threads", "1,2", "--warm-iters", "3", "--modes", "warm"]
+    argv += ["--disk-seconds", "0.05", "--device", "cpu", "--out", str(out)]
+    assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     assert list(report)[0] == "summary" and not report["errors"]
     assert len(report["matches_resident"]) == 3 * 7 and all(report["matches_resident"].values())
