@@ -26,6 +26,16 @@ How steps are found (first that matches):
 Steps more than 10 times longer than the median (the server idling between requests) are
 listed but left out of the summary.
 
+Also per step: the PLE staging time on the host (ple-ssd's `ple_mmap.py` `stage` / `lookup`
+calls: the patches add no profiler range, so their Python function events are the marks), and,
+with GPU events, the worker's CPU time during which no kernel ran (host overhead the GPU waits
+for). The summary adds the top kernels by GPU time. The lm_head product is told apart from the
+other GEMMs by where the host launched it: a GEMV/GEMM kernel whose launch (matched through the
+kernel's `correlation` id to its cudaLaunchKernel / cuLaunchKernelEx event) ran inside vLLM's
+LogitsProcessor is "lm_head GEMV (logits)" (the target's head and the MTP draft head alike);
+kernels named gemv elsewhere are "GEMV", the rest "GEMM (BF16 dense)". Kernels replayed from a
+CUDA graph have no host launch of their own: under FULL graphs the head falls in GEMV / GEMM.
+
 Roles and kernel families are the tables ROLES and KERNEL_FAMILIES below: regular expressions
 over the trace's event names (`path(line): function` for Python functions), checked against
 vLLM 0.29.0's sources and real traces; edit them for another vLLM version. Without GPU events
@@ -91,12 +101,28 @@ KERNEL_FAMILIES: list[tuple[str, re.Pattern]] = [
         re.compile(r"gated_delta|chunk_.*delta|fused_recurrent|causal_conv1d|gdn", re.I),
     ),
     ("MoE experts (NVFP4 / grouped GEMM)", re.compile(r"moe|fp4|grouped|expert", re.I)),
-    ("GEMM / GEMV (BF16 dense, lm_head)", re.compile(r"gemm|gemv|cublas|cutlass|nvjet|xmma|matmul|splitk", re.I)),
+    ("GEMV", re.compile(r"gemv", re.I)),
+    ("GEMM (BF16 dense)", re.compile(r"gemm|cublas|cutlass|nvjet|xmma|matmul|splitk", re.I)),
     ("norms", re.compile(r"rms_?norm|layer_?norm|norm_kernel", re.I)),
     ("sampling / top-k / argmax", re.compile(r"sampl|topk|top_k|argmax|argsort|softmax|radix", re.I)),
     ("n-gram / embedding gather", re.compile(r"index_select|gather|embedding|indexSelect", re.I)),
     ("elementwise / copies", re.compile(r"elementwise|vectorized|unrolled|copy|fill|cat_|reduce|triton_", re.I)),
 ]
+
+# A GEMV/GEMM kernel launched while the logits processor runs is the lm_head product (target or
+# draft head; M = the tokens of the step, small at decode). It is found from where the host
+# launched it (the kernel's correlation id -> its cudaLaunchKernel / cuLaunchKernelEx -> the
+# Python function around that launch), since the same cuBLAS kernels serve every dense layer.
+# A launch from a CUDA-graph replay has no such context: under FULL graphs the head's kernels are
+# counted with GEMV / GEMM.
+LM_HEAD_FAMILY = "lm_head GEMV (logits)"
+MATMUL_FAMILIES = {"GEMV", "GEMM (BF16 dense)"}
+LOGITS_RE = re.compile(r"vllm/model_executor/layers/logits_processor\.py\(\d+\): (forward|_get_logits|_apply_head)$")
+# PLE staging on the host: ple-ssd's module (vllm/models/qwen4_exp/ple_mmap.py) has no profiler
+# ranges of its own, so its Python functions are the marks: `stage` (0002, before the forward) and
+# `lookup` (0001 alone, inside the forward's custom op).
+PLE_STAGING_RE = re.compile(r"vllm/models/qwen4_exp/ple_mmap\.py\(\d+\): (stage|lookup)$")
+TOP_KERNELS = 15
 
 KERNEL_CATEGORIES = {"kernel"}
 MEMORY_CATEGORIES = {"gpu_memcpy", "gpu_memset"}
@@ -222,11 +248,22 @@ class Collected:
         self.kernel_ts = array("d")
         self.kernel_end = array("d")
         self.kernel_family = array("b")
+        self.kernel_name = array("l")  # index into kernel_names
+        self.kernel_correlation = array("q")
+        self.kernel_names: dict[str, int] = {}
+        self.launch_context: dict[int, tuple] = {}  # correlation -> (pid, tid, ts) of the host launch
+        self.logits_events: list[tuple] = []  # (pid, tid, ts, end) of the logits processor
+        self.ple_events: list[tuple] = []
         self.memory_ms = 0.0
         self.launch_ts: dict = {}  # pid -> array of kernel-launch timestamps
         self.graph_ts: dict = {}
         self.events = 0
         self.meta: dict = {}
+
+
+def family_names() -> list[str]:
+    """KERNEL_FAMILIES' names, "other", then the lm_head family (assigned from launch context)."""
+    return [name for name, _ in KERNEL_FAMILIES] + ["other", LM_HEAD_FAMILY]
 
 
 def collect(path: str) -> Collected:
@@ -253,6 +290,10 @@ def collect(path: str) -> Collected:
             if ENGINE_STEP_RE.search(name):
                 data.engine_steps.append((event.get("pid"), event.get("tid"), ts, dur))
                 continue
+            if LOGITS_RE.search(name):
+                data.logits_events.append((event.get("pid"), event.get("tid"), ts, ts + dur))
+            if PLE_STAGING_RE.search(name):
+                data.ple_events.append((event.get("pid"), event.get("tid"), ts, ts + dur))
             for role, regex in ROLES:
                 if regex.search(name):
                     data.role_events[role].append((event.get("pid"), event.get("tid"), ts, ts + dur))
@@ -265,15 +306,47 @@ def collect(path: str) -> Collected:
             data.kernel_end.append(ts + dur)
             family = next((i for i, (_, regex) in enumerate(KERNEL_FAMILIES) if regex.search(name)), len(families) - 1)
             data.kernel_family.append(family)
+            data.kernel_name.append(data.kernel_names.setdefault(name, len(data.kernel_names)))
+            data.kernel_correlation.append(int((event.get("args") or {}).get("correlation", -1)))
         elif category in MEMORY_CATEGORIES:
             data.memory_ms += dur / 1000
         elif category in RUNTIME_CATEGORIES:
             base = name.split("_v")[0]  # cudaLaunchKernel_v7000-style suffixes
             if base in KERNEL_LAUNCH_NAMES:
                 data.launch_ts.setdefault(event.get("pid"), array("d")).append(ts)
+                correlation = (event.get("args") or {}).get("correlation")
+                if correlation is not None:
+                    data.launch_context[int(correlation)] = (event.get("pid"), event.get("tid"), ts)
             elif base in GRAPH_LAUNCH_NAMES:
                 data.graph_ts.setdefault(event.get("pid"), array("d")).append(ts)
+    assign_lm_head(data)
     return data
+
+
+def assign_lm_head(data: Collected) -> None:
+    """Move GEMV/GEMM kernels whose host launch ran inside the logits processor to LM_HEAD_FAMILY."""
+    if not data.logits_events or not data.launch_context:
+        return
+    names = family_names()
+    matmul = {names.index(f) for f in MATMUL_FAMILIES}
+    lm_head = names.index(LM_HEAD_FAMILY)
+    by_thread: dict = {}
+    for pid, tid, start, end in data.logits_events:
+        by_thread.setdefault((pid, tid), []).append((start, end))
+    windows = {key: _Sorted([s for s, _ in v], [e for _, e in v]) for key, v in by_thread.items()}
+    for i, family in enumerate(data.kernel_family):
+        if family not in matmul:
+            continue
+        launch = data.launch_context.get(data.kernel_correlation[i])
+        if launch is None or (launch[0], launch[1]) not in windows:
+            continue
+        if next(windows[(launch[0], launch[1])].overlapping(launch[2], launch[2] + 1e-3), None) is not None:
+            data.kernel_family[i] = lm_head
+
+
+def intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of (union of a) intersected with (union of b)."""
+    return union_length(a) + union_length(b) - union_length(a + b)
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,7 +429,10 @@ def split(path: str) -> dict:
     kernels = _Sorted(data.kernel_ts, data.kernel_end)
     launches = sorted(data.launch_ts.get(pid, []))
     graphs = sorted(data.graph_ts.get(pid, []))
-    families = [name for name, _ in KERNEL_FAMILIES] + ["other"]
+    families = family_names()
+    ple = [(s, e) for p, t, s, e in data.ple_events if (p, t) == (pid, tid)]
+    ple_sorted = _Sorted([s for s, _ in ple], [e for _, e in ple])
+    kernel_names = {index: name for name, index in data.kernel_names.items()}
 
     # A step runs from its anchor to the next one. The last one has no next: it ends where its work
     # ends (the anchor itself, or the worker calls that started in it).
@@ -370,8 +446,12 @@ def split(path: str) -> dict:
         covered: list[tuple[float, float]] = []
         role_us = {}
         before = 0.0
+        worker_spans: list[tuple[float, float]] = []
         for role, _ in ROLES:
-            covered += [(lo, hi) for _, lo, hi in roles[role].overlapping(start, end)]
+            spans_of_role = [(lo, hi) for _, lo, hi in roles[role].overlapping(start, end)]
+            if role == "worker":
+                worker_spans = spans_of_role
+            covered += spans_of_role
             now = union_length(covered)
             role_us[role] = now - before
             before = now
@@ -381,14 +461,27 @@ def split(path: str) -> dict:
             "step_ms": (end - start) / 1000,
             **{f"{role}_ms": us / 1000 for role, us in role_us.items()},
             "other_ms": (end - start - before) / 1000,
+            "ple_staging_ms": union_length([(lo, hi) for _, lo, hi in ple_sorted.overlapping(start, end)]) / 1000,
         }
         if result["gpu_events"]:
             spans = []
             by_family = [0.0] * len(families)
+            by_kernel: dict[int, list] = {}
             for k, lo, hi in kernels.overlapping(start, end):
                 spans.append((lo, hi))
-                by_family[data.kernel_family[kernels.index[k]]] += hi - lo
+                i = kernels.index[k]
+                by_family[data.kernel_family[i]] += hi - lo
+                entry = by_kernel.setdefault(data.kernel_name[i], [0, 0.0, data.kernel_family[i]])
+                entry[0] += 1
+                entry[1] += hi - lo
             step["gpu_busy_ms"] = union_length(spans) / 1000
+            # Host time of the worker while no kernel ran: launch overhead, Python, staging, syncs.
+            step["worker_cpu_not_covered_by_gpu_ms"] = (
+                union_length(worker_spans) - intersection_length(worker_spans, spans)
+            ) / 1000
+            step["_kernels"] = {
+                kernel_names[n]: (count, us / 1000, families[f]) for n, (count, us, f) in by_kernel.items()
+            }
             step["kernels"] = len(spans)
             step["kernel_launches"] = bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
             step["graph_launches"] = bisect.bisect_left(graphs, end) - bisect.bisect_left(graphs, start)
@@ -396,6 +489,8 @@ def split(path: str) -> dict:
         result["steps"].append(step)
 
     result["summary"] = summarize(result["steps"], result["gpu_events"], families)
+    for step in result["steps"]:
+        step.pop("_kernels", None)
     if data.memory_ms:
         result["summary"]["gpu_memcpy_memset_ms_total"] = data.memory_ms
     return result
@@ -413,8 +508,18 @@ def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
         "step_ms_mean": total / len(kept),
         "step_ms_median": statistics.median(s["step_ms"] for s in kept),
         "share": {role: sum(s[f"{role}_ms"] for s in kept) / total for role in [name for name, _ in ROLES] + ["other"]},
+        "ple_staging_ms_mean": sum(s["ple_staging_ms"] for s in kept) / len(kept),
+        "ple_staging_share": sum(s["ple_staging_ms"] for s in kept) / total,
     }
     if gpu:
+        kernels: dict[str, list] = {}
+        for s in kept:
+            for name, (count, ms, family) in s["_kernels"].items():
+                entry = kernels.setdefault(name, [0, 0.0, family])
+                entry[0] += count
+                entry[1] += ms
+        kernel_total = sum(ms for _, ms, _ in kernels.values())
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
         gpu_family = {f: sum(s["gpu_ms_by_family"].get(f, 0.0) for s in kept) for f in families}
         gpu_total = sum(gpu_family.values())
         summary.update(
@@ -425,6 +530,20 @@ def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
                 "kernels_per_step": sum(s["kernels"] for s in kept) / len(kept),
                 "gpu_ms_by_family": {f: v for f, v in gpu_family.items() if v > 0},
                 "gpu_share_by_family": {f: v / gpu_total for f, v in gpu_family.items() if v > 0} if gpu_total else {},
+                "worker_cpu_not_covered_by_gpu_ms_mean": sum(s["worker_cpu_not_covered_by_gpu_ms"] for s in kept)
+                / len(kept),
+                "worker_cpu_not_covered_by_gpu_share": sum(s["worker_cpu_not_covered_by_gpu_ms"] for s in kept) / total,
+                "top_kernels": [
+                    {
+                        "name": name,
+                        "family": family,
+                        "count": count,
+                        "gpu_ms": ms,
+                        "gpu_ms_per_step": ms / len(kept),
+                        "share_of_gpu_time": ms / kernel_total if kernel_total else None,
+                    }
+                    for name, (count, ms, family) in top
+                ],
             }
         )
     else:
@@ -436,6 +555,9 @@ def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
                 "kernels_per_step": None,
                 "gpu_ms_by_family": None,
                 "gpu_share_by_family": None,
+                "worker_cpu_not_covered_by_gpu_ms_mean": None,
+                "worker_cpu_not_covered_by_gpu_share": None,
+                "top_kernels": None,
             }
         )
     return summary
@@ -478,8 +600,26 @@ def print_report(results: list[dict], out=sys.stdout) -> None:
                 f"and {s['graph_launches_per_step']:.1f} graph launches per step",
                 file=out,
             )
+            print(
+                f"  worker CPU time with no kernel running {s['worker_cpu_not_covered_by_gpu_ms_mean']:.2f} ms/step "
+                f"({s['worker_cpu_not_covered_by_gpu_share'] * 100:.1f} % of the step)",
+                file=out,
+            )
             for family, part in sorted(s["gpu_share_by_family"].items(), key=lambda kv: -kv[1]):
                 print(f"    {part * 100:5.1f} %  {family}", file=out)
+            print("  top kernels (share of GPU time, ms per step, family):", file=out)
+            for kernel in s["top_kernels"]:
+                print(
+                    f"    {kernel['share_of_gpu_time'] * 100:5.1f} %  {kernel['gpu_ms_per_step']:8.3f} ms  "
+                    f"{kernel['family']:<22}  {kernel['name'][:90]}",
+                    file=out,
+                )
+        if s["ple_staging_ms_mean"]:
+            print(
+                f"  PLE staging on the host {s['ple_staging_ms_mean']:.3f} ms/step "
+                f"({s['ple_staging_share'] * 100:.1f} % of the step)",
+                file=out,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
