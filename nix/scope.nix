@@ -9,9 +9,11 @@
   python,
   fetchurlMirrors,
 }:
-lib.makeScope newScope (self: {
-  inherit python;
+let
   magpieLib = import ./lib.nix;
+in
+lib.makeScope newScope (self: {
+  inherit python magpieLib;
 
   # nix/pins/<system>.json, written by scripts/nix/pin_wheels.py.
   pins = self.magpieLib.readPins ./pins stdenv.hostPlatform.system;
@@ -48,7 +50,5 @@ lib.makeScope newScope (self: {
   devShell = self.callPackage ./devshell.nix { };
 
   # name -> wrapper derivation, one per entry of magpieLib.appTable.
-  apps = lib.mapAttrs (
-    name: _: self.callPackage ./app.nix { inherit name; }
-  ) self.magpieLib.appTable;
+  apps = lib.mapAttrs (name: _: self.callPackage ./app.nix { inherit name; }) magpieLib.appTable;
 })

@@ -19,18 +19,22 @@
 let
   pin = pins.wheels.${pins.root};
   seriesName = baseNameOf (toString patchSeries);
+  wantedSeries = "vllm-${pin.version}";
+  # Refused at evaluation: a series written for another release would fail late, in the build.
+  checkedSeries =
+    if seriesName == wantedSeries then
+      patchSeries
+    else
+      throw "vllm.nix: patchSeries ${seriesName} is not the pinned vLLM's (${wantedSeries})";
   # Read at evaluation time; each patch becomes its own store path, so editing one patch
   # rebuilds this package and nothing under it.
-  seriesFiles = magpieLib.seriesPatches patchSeries;
+  seriesFiles = magpieLib.seriesPatches checkedSeries;
   # The project's tool reads the series folder of the release it finds (patches/vllm-<release>).
   checkSeries = target: ''
     ${python.pythonOnBuildForHost.interpreter} ${source.patches}/scripts/patches.py status \
       --require-applied --target "${target}" --patches-dir ${source.patches}/patches
   '';
 in
-assert
-  seriesName == "vllm-${pin.version}"
-  || throw "vllm.nix: patchSeries ${seriesName} is not the series of the pinned vLLM ${pin.version} (patches/vllm-${pin.version})";
 python.pkgs.buildPythonPackage {
   pname = "vllm";
   inherit (pin) version;
@@ -76,12 +80,13 @@ python.pkgs.buildPythonPackage {
   pythonImportsCheck = [ "vllm" ];
 
   passthru = {
-    inherit patchSeries pins;
-    series = magpieLib.parseSeries (builtins.readFile (patchSeries + "/series"));
+    inherit pins;
+    patchSeries = checkedSeries;
+    series = magpieLib.parseSeries (builtins.readFile (checkedSeries + "/series"));
   };
 
   meta = {
-    description = "vLLM ${pin.version} (upstream wheel) with magpie-vllm-plugins' patch series ${seriesName}";
+    description = "vLLM ${pin.version} (upstream wheel) with magpie-vllm-plugins' patches";
     homepage = "https://github.com/vllm-project/vllm";
     license = [ lib.licenses.asl20 ];
     sourceProvenance = [ lib.sourceTypes.binaryNativeCode ];

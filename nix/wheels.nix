@@ -20,13 +20,14 @@
   registryFileBases,
 }:
 let
+  inherit (pins.wheels.${pins.root}) version;
   closurePins = magpieLib.pinList pins [ pins.root ];
   fetchWheel = pin: fetchurl (magpieLib.pinToFetchurlArgs registryFileBases pin);
 in
 python.pkgs.toPythonModule (
   stdenv.mkDerivation {
     pname = "vllm-wheel-closure";
-    version = pins.wheels.${pins.root}.version;
+    inherit version;
 
     # installer wants each wheel under its own file name (the store path's has a hash prefix).
     unpackPhase = ''
@@ -114,7 +115,7 @@ python.pkgs.toPythonModule (
     };
 
     meta = {
-      description = "The binary-wheel closure of vLLM ${pins.wheels.${pins.root}.version} (without vLLM), pinned by nix/pins";
+      description = "The pinned binary-wheel closure of vLLM ${version} (without vLLM)";
       # Mixed: open-source projects (mostly permissive) and NVIDIA's CUDA libraries.
       license = [
         lib.licenses.asl20

@@ -163,8 +163,10 @@ def test_patch_series_folder_is_an_option_of_the_vllm_package(tmp_path):
     other = tmp_path / "vllm-0.33.0"
     other.mkdir()
     (other / "series").write_text("")
-    with pytest.raises(NixError, match="patchSeries vllm-0.33.0 is not the series of the pinned vLLM 0.29.0"):
-        flake_eval('((scope "aarch64-linux").vllm.override { patchSeries = /. + dir; }).name', dir=str(other))
+    refusal = r"patchSeries vllm-0.33.0 is not the pinned vLLM's \(vllm-0.29.0\)"
+    overridden = '((scope "aarch64-linux").vllm.override { patchSeries = /. + d; })'
+    with pytest.raises(NixError, match=refusal):
+        flake_eval(f"toString {overridden}.patchSeries", d=str(other))
 
 
 def test_every_wheel_is_fetched_from_its_immutable_path_under_nixpkgs_pypi_mirror():

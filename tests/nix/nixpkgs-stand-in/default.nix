@@ -27,9 +27,10 @@ let
 
   mkDerivation =
     args:
-    derivationNamed (args.name or "${args.pname}-${args.version}") (
-      args // (args.passthru or { })
-    );
+    let
+      name = args.name or "${args.pname}-${args.version}";
+    in
+    derivationNamed name (args // (args.passthru or { }));
 
   tool =
     name:
@@ -64,7 +65,29 @@ let
     in
     python;
 
-  base = final: {
+  tools = lib.genAttrs [
+    "autoAddDriverRunpath"
+    "autoPatchelfHook"
+    "bash"
+    "coreutils"
+    "findutils"
+    "gcc14"
+    "git"
+    "gnused"
+    "hostname-debian"
+    "ninja"
+    "nix"
+    "nixfmt"
+    "nixfmt-tree"
+    "patchelf"
+    "procps"
+    "ruff"
+    "shellcheck"
+    "unzip"
+    "util-linux"
+  ] tool;
+
+  base = final: tools // {
     inherit lib config;
     path = ./.;
     stdenv = {
@@ -100,28 +123,7 @@ let
       };
     mkShell = args: mkDerivation (args // { name = "nix-shell"; });
     python312 = makePython "3.12";
-  }
-  // lib.genAttrs [
-    "autoAddDriverRunpath"
-    "autoPatchelfHook"
-    "bash"
-    "coreutils"
-    "findutils"
-    "gcc14"
-    "git"
-    "gnused"
-    "hostname-debian"
-    "ninja"
-    "nix"
-    "nixfmt"
-    "nixfmt-tree"
-    "patchelf"
-    "procps"
-    "ruff"
-    "shellcheck"
-    "unzip"
-    "util-linux"
-  ] tool;
+  };
 
   # The overlays in order over the base set, each seeing the final set (as nixpkgs does).
   pkgs = builtins.foldl' (prev: overlay: prev // overlay pkgs prev) (base pkgs) overlays;

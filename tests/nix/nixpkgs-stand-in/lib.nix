@@ -20,7 +20,8 @@ let
     f: origArgs:
     let
       result = f origArgs;
-      overrideWith = newArgs: origArgs // (if isFunction newArgs then newArgs origArgs else newArgs);
+      newArgsOf = newArgs: if isFunction newArgs then newArgs origArgs else newArgs;
+      overrideWith = newArgs: origArgs // newArgsOf newArgs;
     in
     if isAttrs result then
       result
