@@ -296,10 +296,10 @@ def server_environment(profile_name: str, mode: str, jit_jobs: str) -> tuple[dic
     if mode == "auto":
         if is_gb10():
             why = "nvidia-smi reports a GB10"
-        elif profile_name.startswith("gb10"):
+        elif "gb10" in profile_name:
             why = f"profile {profile_name}"
         else:
-            return {}, ["GB10 settings: not applied (no GB10 found by nvidia-smi, and the profile is not a gb10 one)"]
+            return {}, ["GB10 settings: not applied (no GB10 found by nvidia-smi, and the profile is not a GB10 one)"]
     else:
         why = "GB10_ENV=1"
     env, lines = {}, [f"GB10 settings: applied ({why})"]
