@@ -1,0 +1,165 @@
+"""The harness's configurations: one dict = one vLLM process (worker.py).
+
+Fields: name; about; model (folder under the staged models); compile (eager | fdo = mode 0 +
+FULL_DECODE_ONLY | fp = torch.compile mode 3 + FULL_AND_PIECEWISE | pw | full); mtp (draft
+tokens); keep (keep-set name, models.keep_sets); checks (worker.CHECKS); compare_to (the
+configuration whose outputs this one must reproduce); timeout_s; env; hf_overrides; ...
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _inc(name, compile_, keep=None, about="", **extra):
+    cfg = {
+        "name": name,
+        "about": about,
+        "model": "inc",
+        "compile": compile_,
+        "mtp": 3,
+        "keep": keep,
+        "checks": ["greedy_increment"],
+        "timeout_s": 150,
+        "max_num_seqs": 8,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+MTP = [
+    _inc("inc-fdo-base", "fdo", None, "unpruned, mode 0 + FULL_DECODE_ONLY (first process: JIT)", timeout_s=330),
+    _inc("inc-fdo-cover", "fdo", "cover", "4,000 of 4,096 ids, covering every id used", compare_to="inc-fdo-base"),
+    _inc("inc-fdo-miss", "fdo", "miss", "259 ids, none of them used: every draft misses", compare_to="inc-fdo-base"),
+    _inc(
+        "inc-fdo-even",
+        "fdo",
+        "even",
+        "even ids only: position 0 accepted half the time, 1+ never",
+        compare_to="inc-fdo-base",
+    ),
+    {
+        "name": "big-fp-base",
+        "about": "248,320 ids, hidden 2560, unpruned, compiled FULL_AND_PIECEWISE: decode tok/s c=1, c=4",
+        "model": "big",
+        "compile": "fp",
+        "mtp": 3,
+        "keep": None,
+        "checks": ["speed"],
+        "profile": True,
+        "max_num_seqs": 4,
+        "timeout_s": 200,
+        "min_s": 90,
+    },
+    {
+        "name": "big-fp-k10k",
+        "about": "the same with a 10,000-id keep-set (every continuation inside it)",
+        "model": "big",
+        "compile": "fp",
+        "mtp": 3,
+        "keep": "big10k",
+        "checks": ["speed"],
+        "profile": True,
+        "max_num_seqs": 4,
+        "timeout_s": 200,
+        "min_s": 90,
+        "compare_to": "big-fp-base",
+    },
+    {
+        "name": "soft-fdo-base",
+        "about": "temperature 0.7, fixed seeds, unpruned (and a second seed set: the noise floor)",
+        "model": "soft",
+        "compile": "fdo",
+        "mtp": 3,
+        "keep": None,
+        "checks": ["sampling"],
+        "second_seed_run": True,
+        "max_num_seqs": 64,
+        "timeout_s": 150,
+    },
+    {
+        "name": "soft-fdo-all",
+        "about": "keep-set = every id (K = V): the same drafts, so the same seed must give the same text",
+        "model": "soft",
+        "compile": "fdo",
+        "mtp": 3,
+        "keep": "all",
+        "checks": ["sampling"],
+        "max_num_seqs": 64,
+        "timeout_s": 150,
+        "compare_to": "soft-fdo-base",
+    },
+    {
+        "name": "soft-fdo-even",
+        "about": "keep-set = even ids: other drafts, the same output distribution (frequency test)",
+        "model": "soft",
+        "compile": "fdo",
+        "mtp": 3,
+        "keep": "even",
+        "checks": ["sampling"],
+        "max_num_seqs": 64,
+        "timeout_s": 150,
+        "compare_to": "soft-fdo-base",
+    },
+    _inc("inc-fp-base", "fp", None, "unpruned, torch.compile + FULL_AND_PIECEWISE", compare_to="inc-fdo-base"),
+    _inc("inc-fp-cover", "fp", "cover", "cover keep-set, compiled", compare_to="inc-fp-base"),
+    _inc("inc-fp-miss", "fp", "miss", "miss keep-set, compiled", compare_to="inc-fp-base"),
+]
+
+
+def _ple(name, compile_, mmap, about, env=None, **extra):
+    cfg = {
+        "name": name,
+        "about": about,
+        "model": "q4e",
+        "compile": compile_,
+        "mtp": 1,
+        "keep": None,
+        "checks": ["ple"],
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 128,
+        "max_model_len": 1024,
+        "timeout_s": 200,
+        "gpu_memory_utilization": 0.3,
+        "hf_overrides": {"ple_mmap": True} if mmap else None,
+        "env": env or {},
+        "llm_extra": {"enable_prefix_caching": False},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+PLE = [
+    _ple("q4e-resident-fp", "fp", False, "resident table (stock path), FULL_AND_PIECEWISE (first: JIT)", timeout_s=360),
+    _ple(
+        "q4e-mmap12-fp",
+        "fp",
+        True,
+        "ple_mmap, 0001+0002: FULL_AND_PIECEWISE kept, rows staged before the forward",
+        compare_to="q4e-resident-fp",
+    ),
+    _ple(
+        "q4e-mmap1-pw",
+        "fp",
+        True,
+        "ple_mmap, 0001 alone: cudagraph mode forced to PIECEWISE",
+        site="site-0001",
+        compare_to="q4e-resident-fp",
+    ),
+]
+
+SUITES = {"mtp": MTP, "ple": PLE}
+
+
+def prepare_models(suite: str, models_dir: Path) -> None:
+    """Write the suite's large checkpoints on the GPU machine (they never travel)."""
+    import models
+
+    if suite == "mtp" and not (models_dir / "big" / "model.safetensors").exists():
+        models.materialize_big(models_dir / "big-spec", models_dir / "big")
+        print(f"[models] wrote {models_dir / 'big'}", flush=True)
+    if suite == "ple" and not (models_dir / "q4e" / "config.json").exists():
+        import qwen4exp
+
+        qwen4exp.materialize(models_dir / "q4e-spec", models_dir / "q4e")
+        print(f"[models] wrote {models_dir / 'q4e'}", flush=True)
