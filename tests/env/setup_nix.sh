@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What tests/nix needs besides Debian's nix-bin and shellcheck (tests/env/setup_system.sh installs
-# those; nix-instantiate parses and evaluates the flake's pure parts): a small venv with a pip that
-# knows --uploaded-prior-to (26.0+) for scripts/nix/pin_wheels.py --check.
+# What tests/nix needs besides Debian's nix-bin (tests/env/setup_system.sh installs it;
+# nix-instantiate parses and evaluates the flake's pure parts) and the test venv's ShellCheck
+# (tests/env/setup.sh): a small venv with a pip that knows --uploaded-prior-to (26.0+) for
+# scripts/nix/pin_wheels.py --check.
 #
 # usage: tests/env/setup_nix.sh
 #   NIX_TOOLS=.cache/nix-tools   the pip venv (git-ignored)
@@ -12,13 +13,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 tools=${NIX_TOOLS:-$root/.cache/nix-tools}
 pip_version=26.3
 
-# nix-bin and shellcheck come from Debian, installed by tests/env/setup_system.sh.
-for tool in nix-instantiate shellcheck; do
-  if ! command -v "$tool" >/dev/null; then
-    echo "error: $tool is missing; run tests/env/setup_system.sh (as root) first" >&2
-    exit 1
-  fi
-done
+# nix-bin comes from Debian, installed by tests/env/setup_system.sh.
+if ! command -v nix-instantiate >/dev/null; then
+  echo "error: nix-instantiate is missing; run tests/env/setup_system.sh (as root) first" >&2
+  exit 1
+fi
 
 if [ "$("$tools/bin/python" -m pip --version 2>/dev/null | cut -d' ' -f2)" != "$pip_version" ]; then
   start=$(date +%s)

@@ -16,6 +16,7 @@ inside '' ... '' is not a list.
 from __future__ import annotations
 
 import re
+import sys
 
 WIDTH = 100
 
@@ -205,3 +206,20 @@ def violations(text: str) -> list[str]:
         if re.match(r"\s*let\b", line) and re.search(r"\bin\b", line) and line.count(";") >= 2:
             found.append(f"line {number}: a let with several bindings on one line")
     return found
+
+
+def main(argv: list[str]) -> int:
+    """usage: nix_layout.py FILE.nix...   (tests/run.sh runs it on every tracked .nix file)"""
+    broken = 0
+    for name in argv:
+        with open(name) as f:
+            for found in violations(f.read()):
+                print(f"{name}: {found}", file=sys.stderr)
+                broken += 1
+    if broken:
+        print(f"{broken} nixfmt layout problems; nixfmt (RFC style) fixes them: nix fmt", file=sys.stderr)
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

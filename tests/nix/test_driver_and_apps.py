@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from nixeval import REPO, nix_eval
+from nixeval import REPO, nix_eval, shellcheck
 
 DRIVER_SCRIPT = REPO / "scripts" / "nix" / "nvidia-driver-libs.sh"
 MACHINE = platform.machine()
@@ -35,7 +35,7 @@ def run_driver(env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 def test_driver_script_passes_shellcheck():
-    subprocess.run(["shellcheck", str(DRIVER_SCRIPT)], check=True)
+    subprocess.run([shellcheck(), str(DRIVER_SCRIPT)], check=True)
 
 
 def test_dgx_os_layout_exposes_only_the_driver_libraries(tmp_path):
@@ -181,7 +181,7 @@ APPS = [
 
 @pytest.mark.parametrize("name", APPS)
 def test_wrapper_passes_shellcheck(tmp_path, name):
-    subprocess.run(["shellcheck", str(write_wrapper(tmp_path, name, REPO))], check=True)
+    subprocess.run([shellcheck(), str(write_wrapper(tmp_path, name, REPO))], check=True)
 
 
 @pytest.mark.parametrize("name", APPS)
