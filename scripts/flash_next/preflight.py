@@ -5,7 +5,9 @@ Each check refuses with a message that names the input, the value seen and what 
 
 - `--draft-vocab-path`: the keep-set file for the pruned MTP draft head passes the checks the
   server itself applies (the mtp-pruning patch's `vllm/v1/spec_decode/draft_vocab.py`: read
-  without unrestricted unpickling, 1-D, sorted, unique, inside the model's vocabulary).
+  without unrestricted unpickling, 1-D, sorted, unique, inside the model's vocabulary) and is
+  not every id of the vocabulary (that prunes nothing; refused here even under a patch revision
+  that accepts it).
 - `--jit-check`: `ninja` and `nvcc` are present and run when FlashInfer will JIT-compile kernels
   (a launch without `ninja` on PATH died after 10 minutes of loading). `auto` checks when an
   NVIDIA GPU is visible; vLLM's CPU build never JIT-compiles CUDA code.
@@ -73,6 +75,15 @@ def draft_vocab_module():
     return module
 
 
+def is_every_id(ids, vocab: int) -> bool:
+    """Whether IDS (a raw keep-set tensor) is exactly 0, 1, ..., vocab - 1: a keep-set that prunes nothing."""
+    import torch
+
+    if ids.dim() != 1 or ids.numel() != vocab or ids.is_floating_point() or ids.dtype == torch.bool:
+        return False
+    return bool(torch.equal(ids.to(torch.int64), torch.arange(vocab, dtype=torch.int64)))
+
+
 def check_keep_set(path: str, model: str) -> str:
     if not os.path.isabs(path):
         raise Refused(
@@ -84,7 +95,17 @@ def check_keep_set(path: str, model: str) -> str:
         raise Refused(f"DRAFT_VOCAB_PATH is set but {model}/config.json gives no vocab_size to check the ids against")
     module = draft_vocab_module()
     try:
-        ids = module.load_keep_ids(path, vocab)
+        raw = module.read_keepset_file(path)
+        if is_every_id(raw, vocab):
+            # Checked here as well as in the patch: an older patch revision accepted it, and vLLM then
+            # shared the target's (equal) head and died at the first proposal.
+            raise Refused(
+                f"DRAFT_VOCAB_PATH {path}: keeps all {vocab} ids of {model}'s vocabulary, so nothing is pruned "
+                "(vLLM would share the target's head, and the engine would fail at the first proposal); unset "
+                "DRAFT_VOCAB_PATH to draft with the full head, or build a smaller keep-set "
+                "(scripts/mtp_pruning/build_keepset.py --coverage 0.99)"
+            )
+        ids = module.validate_keep_ids(raw, vocab, path)
     except ValueError as e:  # DraftVocabError names the file and the rule broken
         raise Refused(f"DRAFT_VOCAB_PATH: {e}") from None
     return f"{ids.numel()} ids ({ids.numel() / vocab:.2%} of {vocab}), range [{int(ids[0])}, {int(ids[-1])}]"

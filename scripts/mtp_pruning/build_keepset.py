@@ -133,6 +133,11 @@ def build_keepset(
     if keep.size and (keep[0] < 0 or keep[-1] >= vocab_size):
         bad = keep[(keep < 0) | (keep >= vocab_size)][0]
         raise ValueError(f"id {bad} is outside [0, {vocab_size}) (--extra-ids or --union)")
+    if keep.size == vocab_size:
+        raise ValueError(
+            f"the keep-set would hold all {vocab_size} ids, which prunes nothing (the mtp-pruning patch refuses "
+            "it as draft_vocab_path): lower --coverage, or drop the --extra-ids / --union that fill the vocabulary"
+        )
     figures = {
         "vocab_size": int(vocab_size),
         "counted_tokens": int(counts.sum()),

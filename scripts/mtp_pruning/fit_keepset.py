@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     specials = special_ids(tokenizer_name)
-    keep, figures = build_keepset(counts, args.coverage, specials=specials)
+    try:
+        keep, figures = build_keepset(counts, args.coverage, specials=specials)
+    except ValueError as e:  # e.g. every id of the vocabulary counted: nothing to prune
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     check = None
     if every and held_tokens and fit_tokens:
         check_keep, check_figures = build_keepset(fit_counts, args.coverage, specials=specials)

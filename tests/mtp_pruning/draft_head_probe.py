@@ -35,6 +35,30 @@ def build(model_dir: str, keep: str | None, tp: int):
     ).create_engine_config()
 
 
+def sleep_level_2_round_trip(draft) -> dict | None:
+    """What drafting reads after vLLM's sleep level 2 and wake-up, None without a keep-set.
+
+    Level 2 frees the device memory the model was built in without a backup; gpu_worker.py saves
+    the draft's named buffers to host memory first and copies them back in place on wake-up. This
+    does the same on the CPU, with the freed memory overwritten (-7) in between.
+    """
+    vocab = getattr(draft, "draft_vocab", None)
+    if vocab is None:
+        return None
+    saved = {name: buffer.cpu().clone() for name, buffer in draft.named_buffers()}
+    with torch.no_grad():
+        for tensor in [*(b for _, b in draft.named_buffers()), vocab._keep_ids_on_device]:
+            tensor.fill_(-7)
+        for name, buffer in draft.named_buffers():
+            if name in saved:
+                buffer.data.copy_(saved[name].data)
+    rows = torch.arange(vocab.num_keep)
+    return {
+        "to_target_ids": vocab.to_target_ids(rows),
+        "d2t_target_ids": rows + draft.draft_id_to_target_id[rows],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--scenario", action="append", required=True, help="JSON {name, model, keep}; repeatable")
@@ -81,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows = rows[draft.lm_head.get_sharded_to_full_mapping()]
                 rows = rows[: draft.lm_head.org_vocab_size]
         results[scenario["name"]] = {
+            "sleep_level_2": sleep_level_2_round_trip(draft),
             "own_head": draft.lm_head is not target.lm_head,
             "has_own_lm_head": getattr(draft, "has_own_lm_head", None),
             "head_rows": int(draft.lm_head.org_vocab_size),

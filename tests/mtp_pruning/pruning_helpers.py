@@ -56,6 +56,7 @@ def write_malformed_keepsets(folder: Path, vocab_size: int) -> dict[str, tuple[P
         cases[name] = (path, message)
 
     save("float", torch.tensor([1.0, 2.0, 3.0]), "has dtype torch.float32; keep-set ids must be an integer", ".pt")
+    save("bool", np.array([True, False]), "has dtype torch.bool; keep-set ids must be an integer")
     save("two_d", np.array([[1, 2], [3, 4]], dtype=np.int64), "must be 1-D, has shape (2, 2)")
     save("empty", np.array([], dtype=np.int64), "is empty")
     save("unsorted", np.array([5, 3, 9], dtype=np.int64), "is not sorted: id 3 at index 1 follows 5")
@@ -82,6 +83,7 @@ def write_malformed_keepsets(folder: Path, vocab_size: int) -> dict[str, tuple[P
 
 MALFORMED_CASES = [
     "float",
+    "bool",
     "two_d",
     "empty",
     "unsorted",

@@ -121,6 +121,13 @@ def test_pruned_top_tokens_are_target_ids_of_the_best_kept_row(probes):
     assert torch.equal(pruned["top"], pruned["logits"].argmax(-1))
 
 
+def test_keep_ids_and_d2t_survive_sleep_level_2(probes):
+    """vLLM restores only the draft's named buffers after level 2: both id maps must be among them."""
+    after = probes["tp1"]["pruned"]["sleep_level_2"]
+    assert torch.equal(after["to_target_ids"], probes["keep"])
+    assert torch.equal(after["d2t_target_ids"], probes["keep"])
+
+
 def test_inactive_patch_shares_the_target_head_like_stock(probes):
     stock = probes["tp1"]["stock"]
     assert not stock["own_head"] and stock["has_own_lm_head"] is None

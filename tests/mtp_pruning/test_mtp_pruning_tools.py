@@ -195,6 +195,16 @@ def test_build_keepset_adds_special_extra_and_union_ids_sorted(tmp_path, counts_
     assert "+ 3 special, 4 extra, 2 union ids" in stdout
 
 
+def test_build_keepset_refuses_a_keepset_of_every_id(tmp_path, counts_file):
+    out = tmp_path / "keep.npy"
+    status, _, err = run_script(
+        "build_keepset", counts_file, "-o", out, "--no-special-ids", "--extra-ids", f"0-{VOCAB - 1}"
+    )
+    assert status == 1
+    assert f"the keep-set would hold all {VOCAB} ids, which prunes nothing" in err and "lower --coverage" in err
+    assert not out.exists()
+
+
 def test_build_keepset_warns_when_holdout_coverage_drops(tmp_path, counts_file):
     holdout = np.zeros(VOCAB, dtype=np.int64)
     holdout[[10, 500]] = [60, 40]  # the keep-set misses id 500: 60 % held-out coverage

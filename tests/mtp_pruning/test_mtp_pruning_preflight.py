@@ -1,0 +1,61 @@
+"""serve.sh's preflight (scripts/flash_next/preflight.py) on keep-sets, against a vLLM with the mtp-pruning
+patch: it refuses what the server would refuse (naming the file and the rule), and a keep-set of
+every id, before the ~10-minute weight load."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pruning_helpers import write_malformed_keepsets
+from vllm_overlay import vllm_env
+
+PREFLIGHT = Path(__file__).resolve().parent.parent.parent / "scripts" / "flash_next" / "preflight.py"
+VOCAB = 4096
+
+
+def preflight(overlay, model, keep) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(PREFLIGHT), "--model", str(model), "--draft-vocab-path", str(keep), "--jit-check", "0"]
+    return subprocess.run(cmd, env=vllm_env(overlay), capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def keepsets(tmp_path_factory):
+    return write_malformed_keepsets(tmp_path_factory.mktemp("preflight-keepsets"), VOCAB)
+
+
+def test_preflight_refuses_a_keepset_of_every_id(pruning_overlay, tiny_mtp_model, keepsets):
+    path, _ = keepsets["identity"]
+    proc = preflight(pruning_overlay, tiny_mtp_model, path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"DRAFT_VOCAB_PATH {path}: keeps all {VOCAB} ids of {tiny_mtp_model}'s vocabulary" in proc.stderr
+    assert "unset DRAFT_VOCAB_PATH to draft with the full head" in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["duplicate", "out_of_range", "float", "missing", "pickle", "safetensors_no_offsets"])
+def test_preflight_refuses_what_the_server_refuses_naming_file_and_rule(
+    pruning_overlay, tiny_mtp_model, keepsets, case
+):
+    path, message = keepsets[case]
+    proc = preflight(pruning_overlay, tiny_mtp_model, path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"serve.sh: refusing to start: DRAFT_VOCAB_PATH: draft_vocab_path {path}: " in proc.stderr
+    assert message in proc.stderr
+    assert not (path.parent / "CODE-RAN").exists()
+
+
+def test_preflight_accepts_a_keepset_one_short_of_every_id(pruning_overlay, tiny_mtp_model, tmp_path):
+    path = tmp_path / "keep.npy"
+    np.save(path, np.arange(1, VOCAB, dtype=np.int64))
+    proc = preflight(pruning_overlay, tiny_mtp_model, path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"# keep-set: {path}: {VOCAB - 1} ids (99.98% of {VOCAB}), range [1, {VOCAB - 1}]" in proc.stdout
+
+
+def test_preflight_refuses_a_relative_keepset_path(pruning_overlay, tiny_mtp_model):
+    proc = preflight(pruning_overlay, tiny_mtp_model, "keep.npy")
+    assert proc.returncode == 1
+    assert "DRAFT_VOCAB_PATH 'keep.npy' is relative; give an absolute path" in proc.stderr
