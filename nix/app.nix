@@ -28,10 +28,11 @@ let
 in
 writeShellApplication {
   inherit name;
-  # Only what the scripts call, never the host's tools: bash and coreutils everywhere; sed
-  # (usage text), setsid and hostname (serve.sh), procps (ps/kill for the suites); nvcc, the
-  # host compiler and ninja for FlashInfer's JIT.
-  inheritPath = false;
+  # What the scripts call comes from these inputs, first on PATH: bash and coreutils
+  # everywhere; sed (usage text), setsid and hostname (serve.sh), procps (ps/kill); nvcc, the
+  # host compiler and ninja for FlashInfer's JIT. The host's PATH follows only for apps that
+  # call the host driver's nvidia-smi (appTable hostTools).
+  inheritPath = app.hostTools;
   runtimeInputs = [
     bash
     coreutils

@@ -138,7 +138,7 @@ in
       ''
         ${shellcheckVersionCheck}
         cd ${src}
-        find . -name '*.sh' -print0 | xargs -0 shellcheck
+        find . -name '*.sh' -print0 | xargs -0 shellcheck .ci/run
         touch "$out"
       '';
 

@@ -192,6 +192,9 @@ rec {
   #     patched environment's Python: the script imports torch, transformers, numpy, ...).
   #   gpu: the app starts vLLM on the GPU: it finds the host's NVIDIA driver and puts ninja,
   #     nvcc and FlashInfer's cache where the JIT looks for them.
+  #   hostTools: the script calls the host driver's own tools (nvidia-smi: GB10 detection, GPU
+  #     memory), which no Nix package provides; the wrapper keeps the host's PATH after the
+  #     tools it lists. Every other app runs on its listed tools only.
   #   pythonVars: variables naming the Python the script runs its tools with, set if unset
   #     ("env" or "stdlib"): serve.sh reads VLLM_PYTHON, run_suite.sh PYTHON.
   appTable = {
@@ -199,6 +202,7 @@ rec {
       script = "scripts/flash_next/serve.sh";
       interpreter = "bash";
       gpu = true;
+      hostTools = true;
       pythonVars.VLLM_PYTHON = "env";
       description = "Serve Qwen3.8-Flash-Next with the patched vLLM (LOG [extra vLLM arguments])";
     };
@@ -206,6 +210,7 @@ rec {
       script = "scripts/flash_next/run_suite.sh";
       interpreter = "bash";
       gpu = false;
+      hostTools = false;
       pythonVars.PYTHON = "stdlib";
       description = "Run the Flash-Next measurement suite (decode bench, GSM8K, metrics) against a server";
     };
@@ -213,6 +218,7 @@ rec {
       script = "scripts/mtp_pruning/build_keepset.py";
       interpreter = "env-python";
       gpu = false;
+      hostTools = false;
       pythonVars = { };
       description = "Build a draft-vocabulary keep-set for MTP draft-head pruning from token counts";
     };
@@ -220,6 +226,7 @@ rec {
       script = "scripts/mtp_pruning/count_tokens.py";
       interpreter = "env-python";
       gpu = false;
+      hostTools = false;
       pythonVars = { };
       description = "Count the token ids of a corpus for keep-set building";
     };
@@ -227,6 +234,7 @@ rec {
       script = "scripts/flash_next/memguard.py";
       interpreter = "stdlib-python";
       gpu = false;
+      hostTools = true;
       pythonVars = { };
       description = "Stop a vLLM server (by PID) when available memory falls under a floor";
     };
@@ -234,6 +242,7 @@ rec {
       script = "scripts/flash_next/profile_capture.py";
       interpreter = "stdlib-python";
       gpu = false;
+      hostTools = false;
       pythonVars = { };
       description = "Capture a torch profiler trace from a running vLLM server";
     };
@@ -241,6 +250,7 @@ rec {
       script = "scripts/flash_next/trace_split.py";
       interpreter = "stdlib-python";
       gpu = false;
+      hostTools = false;
       pythonVars = { };
       description = "Split a profiler trace into per-step GPU time by role";
     };
@@ -248,6 +258,7 @@ rec {
       script = "scripts/flash_next/report.py";
       interpreter = "stdlib-python";
       gpu = false;
+      hostTools = false;
       pythonVars = { };
       description = "Render benchmark results as a report";
     };
@@ -255,6 +266,7 @@ rec {
       script = "scripts/patches.py";
       interpreter = "stdlib-python";
       gpu = false;
+      hostTools = false;
       pythonVars = { };
       description = "Apply, check, revert the patch series on any vLLM 0.29.0 installation";
     };

@@ -27,6 +27,7 @@ in
   checks = fs.toSource {
     inherit root;
     fileset = fs.unions [
+      ../.ci
       ../flake.nix
       ../flake.lock
       ../nix

@@ -122,7 +122,8 @@ def test_apps_point_at_their_wrappers(system):
 
 def test_app_wrappers_run_on_their_listed_tools_only():
     wrappers = flake_eval('builtins.mapAttrs (_: w: w.inheritPath) (scope "aarch64-linux").apps')
-    assert wrappers == {name: False for name in APPS}
+    # serve-flash-next and memguard call the host driver's nvidia-smi, after their own tools.
+    assert wrappers == {name: name in {"serve-flash-next", "memguard"} for name in APPS}
 
 
 def test_default_environment_leaves_flashinfer_aot_out_and_the_opt_in_has_it():
