@@ -139,7 +139,10 @@ def summary_text(run: dict) -> str:
             f"  bench {name}: {s['completed']}/{s['requests']} ok ({bench['status']}), "
             f"decode {_fmt(s.get('engine_decode_tok_per_s'))} tok/s (engine times), {_fmt(decode.get('median'))} "
             f"client-side median, aggregate {_fmt(s['aggregate_output_tok_per_s'])} tok/s, "
-            f"TTFT {_fmt((s['ttft_s'] or {}).get('median'), '.3f')} s"
+            f"TTFT {_fmt((s['ttft_s'] or {}).get('median'), '.3f')} s, "
+            f"TPOT p50 {_fmt((s.get('tpot_ms') or {}).get('p50'), '.2f')} ms, "
+            f"ITL p50 {_fmt((s.get('itl_ms') or {}).get('p50'), '.2f')} ms"
+            + (f", {decode['unmeasured']} unmeasured (one burst)" if decode.get("unmeasured") else "")
         )
         spec = s["spec_decode"]
         if spec:
@@ -507,6 +510,25 @@ def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] |
                 f"<h3>{_e(run['label'])}, {_e(window)}: {s['step_ms_median']:.2f} ms/step (median of {s['steps']})</h3>"
             )
             body.append(bar_chart(rows, ["share of step"], "%"))
+            extra = []
+            if s.get("ple_staging_ms_mean"):
+                extra.append(f"PLE staging on the host {s['ple_staging_ms_mean']:.3f} ms/step")
+            if s.get("worker_cpu_not_covered_by_gpu_ms_mean") is not None:
+                extra.append(
+                    f"worker CPU time with no kernel running {s['worker_cpu_not_covered_by_gpu_ms_mean']:.2f} ms/step "
+                    f"({s['worker_cpu_not_covered_by_gpu_share'] * 100:.1f} % of the step)"
+                )
+            if extra:
+                body.append(f'<p class="note">{_e("; ".join(extra))}.</p>')
+            if s.get("top_kernels"):
+                body.append("<table><tr><th>kernel</th><th>family</th><th>ms / step</th><th>GPU time</th></tr>")
+                for kernel in s["top_kernels"][:10]:
+                    body.append(
+                        f"<tr><td>{_e(kernel['name'][:100])}</td><td>{_e(kernel['family'])}</td>"
+                        f"<td class=n>{kernel['gpu_ms_per_step']:.3f}</td>"
+                        f"<td class=n>{_fmt((kernel['share_of_gpu_time'] or 0) * 100, '.1f', ' %')}</td></tr>"
+                    )
+                body.append("</table>")
             for note in trace.get("notes", []):
                 body.append(f'<p class="note">{_e(note)}</p>')
 
