@@ -183,3 +183,35 @@ def test_a_wrong_post_processing_fails_the_check_before_timing(bench, monkeypatc
     )
     with pytest.raises(bench.BenchCheckFailed, match="pruned-fp8-argmax ids"):
         bench.measure(args, torch.device("cpu"), cpu_timer)
+
+
+def test_a_gpu_that_refuses_fp8_still_gets_the_bf16_paths_timed(bench, monkeypatch):
+    """An fp8 GEMM the machine refuses (old GPU, torch without it) skips the fp8 paths, says why, and times the rest."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("_scaled_mm is not supported on this device")
+
+    monkeypatch.setattr(bench, "fp8_matmul", refuse)
+    args = bench.build_parser().parse_args(
+        [
+            "--vocab-size",
+            "1024",
+            "--hidden-size",
+            "32",
+            "--keep",
+            "50",
+            "--batch",
+            "2",
+            "--replays",
+            "4",
+            "--trials",
+            "1",
+        ]
+        + ["--no-fused"]
+    )
+    result = bench.measure(args, torch.device("cpu"), cpu_timer)
+    assert "_scaled_mm is not supported on this device" in result["fp8_error"]
+    assert result["fp8_batch_rows"] == 16  # the padded batch was tried too
+    paths = {r["path"] for r in result["records"]}
+    assert paths == {"full", "full-gemv", "pruned-argmax", "pruned-full-vocab", "pruned-gemv"}
+    assert set(result["summary"][0]["ms"]) == {"full bf16", "pruned bf16"}
