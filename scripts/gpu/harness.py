@@ -222,10 +222,8 @@ def git_state() -> dict:
 
     return {
         "commit": git("rev-parse", "HEAD"),
-        "patches_dirty": bool(git("status", "--porcelain", "--", "patches")),
-        "patch_sha256": {
-            str(p.relative_to(REPO)): sha256(p) for p in sorted((REPO / "patches" / "vllm-0.29.0").rglob("*.patch"))
-        },
+        "patches_uncommitted_edits_left_out": bool(git("status", "--porcelain", "--", "patches")),
+        "patches_commit": git("log", "-1", "--format=%H %cI %s", "--", "patches"),
     }
 
 
@@ -248,8 +246,9 @@ def cmd_prepare(args) -> int:
     digest = check_wheel(wheel)
     print(f"[prepare] {wheel.name}: sha256 {digest} matches {PINS.relative_to(REPO)}", flush=True)
     state = git_state()
-    if state["patches_dirty"]:
-        print("[prepare] WARNING: patches/ has uncommitted changes; the manifest records their sha256", flush=True)
+    print(f"[prepare] patches as committed at HEAD {state['commit'][:12]}; last patch commit {state['patches_commit']}")
+    if state["patches_uncommitted_edits_left_out"]:
+        print("[prepare] note: patches/ has uncommitted edits in the working tree; they are NOT carried", flush=True)
     work = dest / "work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -280,8 +279,20 @@ def cmd_prepare(args) -> int:
         fa2 = site / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.py"
         fa2.parent.mkdir(parents=True, exist_ok=True)
         fa2.write_text("# stand-in (gpu harness): FA2 not carried; configurations use TRITON_ATTN\n")
+        # The committed series (HEAD), never uncommitted edits of the working tree.
+        archive = subprocess.run(["git", "archive", "HEAD", "patches"], cwd=REPO, capture_output=True, check=True)
+        (work / "committed").mkdir()
+        subprocess.run(["tar", "-x", "-C", str(work / "committed")], input=archive.stdout, check=True)
         proc = subprocess.run(
-            [sys.executable, str(REPO / "scripts" / "patches.py"), "apply", "--target", str(site)],
+            [
+                sys.executable,
+                str(REPO / "scripts" / "patches.py"),
+                "apply",
+                "--target",
+                str(site),
+                "--patches-dir",
+                str(work / "committed" / "patches"),
+            ],
             capture_output=True,
             text=True,
         )
@@ -498,6 +509,11 @@ def collect(out: Path) -> None:
     print((out / "summary.txt").read_text(), flush=True)
 
 
+def cmd_models(args) -> int:
+    suites.prepare_models(args.suite, GPUH / "models")
+    return 0
+
+
 def cmd_summary(args) -> int:
     doc = json.loads(Path(args.results).read_text())
     doc["comparisons"] = proof.compare(doc["results"])
@@ -531,14 +547,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma list of configuration names")
     p.add_argument("--skip-done", action="store_true", help="skip configurations with a result in /tmp/gpuh")
     p.add_argument("--prepare-models", action="store_true", help="materialize the suite's large models first")
+    p = sub.add_parser("models", help="GPU machine: write the suite's large checkpoints (they never travel)")
+    p.add_argument("--suite", required=True, choices=sorted(suites.SUITES))
     p = sub.add_parser("summary", help="print the comparisons of a results.json")
     p.add_argument("results")
     sub.add_parser("list", help="list the suites' configurations")
     args = parser.parse_args(argv)
     try:
-        return {"prepare": cmd_prepare, "stage": cmd_stage, "run": cmd_run, "summary": cmd_summary, "list": cmd_list}[
-            args.command
-        ](args)
+        return {
+            "prepare": cmd_prepare,
+            "stage": cmd_stage,
+            "run": cmd_run,
+            "models": cmd_models,
+            "summary": cmd_summary,
+            "list": cmd_list,
+        }[args.command](args)
     except HarnessError as exc:
         print(f"harness.py {args.command}: error: {exc}", file=sys.stderr)
         return 2

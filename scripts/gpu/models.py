@@ -51,15 +51,16 @@ def _tiny_models():
 def keep_sets(vocab: int = 4096) -> dict:
     """name -> sorted int64 ids. `cover` holds every id the greedy checks use, `miss` none of
     them, `even` every other id (the increment model then accepts position 0 exactly when the
-    next id is even and never position 1), `all` the whole vocabulary (the same draft as the
-    unpruned head: same-seed sampling must give the same text)."""
+    next id is even and never position 1), `allbut0` every id but 0 (a keep-set of every id is
+    refused): the draft is the unpruned one's except after id 4095, whose increment is id 0, so
+    same-seed sampling must give the same text up to a 4095."""
     import numpy as np
 
     return {
         "cover": np.arange(0, 4000, dtype=np.int64),
         "miss": np.arange(*MISS_RANGE, dtype=np.int64),
         "even": np.arange(0, vocab, 2, dtype=np.int64),
-        "all": np.arange(0, vocab, dtype=np.int64),
+        "allbut0": np.arange(1, vocab, dtype=np.int64),
         "big10k": np.arange(*BIG_KEEP, dtype=np.int64),
     }
 

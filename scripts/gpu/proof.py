@@ -17,13 +17,13 @@ PROOF_PATTERNS = {
     "runner": r"Using V2 Model Runner|V2 model runner|use_v2_model_runner",
     "cudagraph": r"cudagraph_mode|CUDAGraphMode|Capturing CUDA graphs|Graph capturing finished|cudagraph",
     "compile": r"torch\.compile|Compiling a graph|compile range|Dynamo bytecode transform",
-    "backend": r"[Bb]ackend",
+    "backend": r"Using .*[Bb]ackend|[Bb]ackend (selected|chosen)|gdn_prefill_backend|TRITON_ATTN|MoE backend",
     "mtp_pruning": r"MTP draft vocab pruned|draft_vocab_path",
     "ple_ssd": r"ple_mmap",
     "spec_decode": r"SpecDecoding metrics|speculative",
     "model": r"Resolved architecture|Loading weights took|Model loading took",
 }
-MAX_LINES = 6
+MAX_LINES = 8
 FAILURE = re.compile(r"Traceback|Error|error:|Exception|RuntimeError|AssertionError|CUDA error|Killed")
 
 
@@ -178,6 +178,21 @@ def two_sample(a: dict, b: dict) -> dict:
 # ------------------------------------------------------------------------------ comparisons
 
 
+def first_differences(a: list[list[int]], b: list[list[int]], last_prompt_ids: list[int], limit: int = 8) -> list:
+    """Where two same-seed runs part: prompt index, token position, the token before it (in
+    both runs; -1 = the prompt's last id) and the two tokens."""
+    out = []
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        for pos, (u, v) in enumerate(zip(x, y, strict=False)):
+            if u != v:
+                before = x[pos - 1] if pos else last_prompt_ids[i]
+                out.append({"prompt": i, "pos": pos, "token_before": before, "this": u, "base": v})
+                break
+        if len(out) >= limit:
+            break
+    return out
+
+
 def compare(results: dict) -> dict:
     out = {}
     for name, res in results.items():
@@ -217,6 +232,7 @@ def compare(results: dict) -> dict:
                 b = base["sampling"]
                 same = sum(x == y for x, y in zip(s["ids_seed0"], b["ids_seed0"], strict=False))
                 entry["same_seed_same_text_vs_" + base_name] = f"{same}/{len(b['ids_seed0'])}"
+                entry["first_differences"] = first_differences(s["ids_seed0"], b["ids_seed0"], last)
                 entry["vs_" + base_name] = two_sample(stats, token_stats(b["ids_seed0"], last))
         if "ple" in res:
             p = res["ple"]
