@@ -65,9 +65,10 @@ python.pkgs.toPythonModule (
       find "$out" -type f -name '*.so*' -print0 | while IFS= read -r -d "" elf; do
         runpath=$(patchelf --print-rpath "$elf" 2>/dev/null) || continue
         origin=$(tr ':' '\n' <<<"$runpath" | grep -F '$ORIGIN' | paste -sd: -) || true
-        [ -n "$origin" ] && printf '%s\t%s\n' "$elf" "$origin" >>"$NIX_BUILD_TOP/origin-runpaths"
+        if [ -n "$origin" ]; then
+          printf '%s\t%s\n' "$elf" "$origin" >>"$NIX_BUILD_TOP/origin-runpaths"
+        fi
       done
-      true
     '';
     postPhases = [ "restoreOriginRunpathsPhase" ];
     restoreOriginRunpathsPhase = ''

