@@ -15,9 +15,10 @@ Presets (what the Qwen3.8-Flash-Next NVFP4 server uses first; anything else stay
         head-dim sweep, no communication or XQA kernels
   all   FlashInfer's own default AOT configuration (hours of compilation)
 Needs nvcc (CUDA_HOME), a host compiler and ninja; no GPU, no network: FlashInfer's TensorRT-LLM
-generators (`gen_trtllm*`, SM100 MoE/GEMM) download prebuilt cubins while generating their
-specs, so they are replaced by no-ops and their modules left to the run-time JIT (--list names
-them). Verified here only as far as `--list` (no nvcc build was run on this 2-core machine).
+generators (SM100 MoE/GEMM/FMHA, MoE routing utilities) download prebuilt cubins while their
+specs are generated; with FLASHINFER_NO_DOWNLOAD set they fail instead, and those modules are
+left to the run-time JIT (stderr names them). Verified here only as far as `--list` (no nvcc
+build was run on this 2-core machine).
 """
 
 from __future__ import annotations
@@ -59,16 +60,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class _LeftOut:
-    """What a replaced generator returns; not a JitSpecNvcc, so it is filtered out below."""
+    """What a generator that needed a download returns instead of its spec: not a JitSpecNvcc,
+    so it is filtered out below; it has a name because gen_all_modules de-duplicates by name."""
+
+    def __init__(self, generator: str):
+        self.name = f"left-out:{generator}"
 
 
 def skip_downloading_generators(aot_module) -> list[str]:
-    """Replace the generators that download cubins (TensorRT-LLM kernels) with no-ops."""
-    left_out = []
-    for name in sorted(vars(aot_module)):
-        if name.startswith("gen_") and "trtllm" in name and callable(getattr(aot_module, name)):
-            setattr(aot_module, name, lambda *args, **kwargs: _LeftOut())
-            left_out.append(name)
+    """Make the generators that need a download give up instead, and note which did.
+
+    FlashInfer's TensorRT-LLM kernels (trtllm-gen MoE/GEMM/FMHA, and the MoE routing utilities)
+    fetch prebuilt cubins and headers while their specs are generated. With FLASHINFER_NO_DOWNLOAD
+    set, FlashInfer's get_artifact raises instead of downloading; each `gen_*` function that
+    gen_all_modules calls is wrapped so that this error leaves its module to the run-time JIT.
+    """
+    os.environ["FLASHINFER_NO_DOWNLOAD"] = "1"
+    left_out: list[str] = []
+
+    def wrap(name, generator):
+        def wrapped(*args, **kwargs):
+            try:
+                return generator(*args, **kwargs)
+            except RuntimeError as e:
+                if "FLASHINFER_NO_DOWNLOAD" not in str(e):
+                    raise
+                left_out.append(name)
+                return _LeftOut(name)
+
+        return wrapped
+
+    for name, value in list(vars(aot_module).items()):
+        if name.startswith("gen_") and name != "gen_all_modules" and callable(value):
+            setattr(aot_module, name, wrap(name, value))
     return left_out
 
 
