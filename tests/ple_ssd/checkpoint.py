@@ -63,13 +63,16 @@ def build_ple_checkpoint(
     bad_shape_shard: int | None = None,
     extra_shard_index: int | None = None,
     fp8_scale: float | None = None,
+    filler_bytes_per_shard: int = 0,
     seed: int = 0,
 ) -> Path:
     """Write config.json, N safetensors files and their index; return `out_dir`.
 
     The table's values are random and distinct per row; the failure knobs
     (`drop_shards`, `bad_shape_shard`, `extra_shard_index`, `fp8_scale=None` with an FP8
-    table) make the broken checkpoints the refusal tests need.
+    table) make the broken checkpoints the refusal tests need. `filler_bytes_per_shard` puts a
+    non-table tensor `...shard_<i>.weight_filler` right after each shard in its file (names sort
+    so), standing in for the other weights of the real checkpoint's files.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
@@ -99,6 +102,9 @@ def build_ple_checkpoint(
         count = max(0, min(shard_size, rows - index * shard_size)) - (index == bad_shape_shard)
         shard = torch.randn(count, HEAD_DIM, generator=generator)
         files[index * num_files // split_ngram_parts][f"{TABLE_PREFIX}shard_{index}.weight"] = shard.to(table_dtype)
+        if filler_bytes_per_shard:
+            filler = torch.randn(filler_bytes_per_shard // 2, generator=generator).to(torch.bfloat16)
+            files[index * num_files // split_ngram_parts][f"{TABLE_PREFIX}shard_{index}.weight_filler"] = filler
     if extra_shard_index is not None:
         files[-1][f"{TABLE_PREFIX}shard_{extra_shard_index}.weight"] = randn(shard_size, HEAD_DIM)
 

@@ -43,6 +43,13 @@ def ple_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def filler_checkpoint(tmp_path_factory) -> Path:
+    """~64 MB of table in 16 shards over 4 files, each shard followed by a 4 MiB other tensor."""
+    folder = tmp_path_factory.mktemp("ple-filler") / "qwen4exp-ple"
+    return build_ple_checkpoint(folder, ngram_vocab_size_base=12_500, filler_bytes_per_shard=4 << 20)
+
+
+@pytest.fixture(scope="session")
 def small_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ple-small")
     variants = {

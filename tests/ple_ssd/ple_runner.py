@@ -3,10 +3,12 @@
 The tests start this script with a patched vLLM overlay (or the pristine venv) on PYTHONPATH:
 
     python ple_runner.py forward  CHECKPOINT OUT.pt [--ple-mmap [--stage]] [--tp-rank R --tp-size N --port P]
-    python ple_runner.py memory   CHECKPOINT OUT.json
-    python ple_runner.py config   CHECKPOINT OUT.json [--ple-mmap]
-    python ple_runner.py refusals CASES.json OUT.json
-    python ple_runner.py fp8      CHECKPOINT OUT.json
+    python ple_runner.py memory      CHECKPOINT OUT.json
+    python ple_runner.py config      CHECKPOINT OUT.json [--ple-mmap]
+    python ple_runner.py refusals    CASES.json OUT.json
+    python ple_runner.py fp8         CHECKPOINT OUT.json
+    python ple_runner.py model_state CHECKPOINT OUT.pt     (patch 0002: Qwen4ExpModelState drives the stage)
+    python ple_runner.py strategies  CHECKPOINT OUT.json   (--safetensors-load-strategy under ple_mmap)
 
 The layer is built the way vLLM builds it: a real `VllmConfig` from the checkpoint's
 config.json (`hf_overrides={"ple_mmap": True}` is what `--hf-overrides` sets), the
@@ -36,10 +38,10 @@ MAX_TOKENS = 1024
 # Table settings that force each gather path of ple_mmap.py (default: thresholds as shipped).
 VARIANTS = {
     "default": {},
-    "dedup": {"direct_copy_max_rows": 0},  # every step unique-and-sorted
-    "pool": {"fault_seconds": 0.0, "rows_per_task": 7},  # every gather past the probe over the pool
+    "dedup": {"direct_copy_max_rows": 0},  # every step sorted and deduplicated
+    "pool": {"pool_min_rows": 0, "rows_per_task": 7},  # every gather over the thread pool, small tasks
     "tensor_hash": {"host_hash_max_tokens": 0},  # host hashing with tensor ops
-    "torch_gather": {"numpy_gather_max_rows": 0},  # decode steps gathered by index_select, not numpy
+    "calling_thread": {"pool_min_rows": 1 << 40},  # every gather in the calling thread
 }
 
 
@@ -181,9 +183,13 @@ def run_steps(layer, vllm_config, steps, seed: int, stage: bool) -> dict:
     with torch.no_grad(), set_forward_context(None, vllm_config):
         for input_ids, query_start_loc, ngram_context in steps:
             hidden = torch.randn(input_ids.numel(), layer.hc_hidden_size, generator=generator).to(torch.bfloat16)
-            if stage:  # what Qwen4ExpModelState.prepare_inputs does before each forward (0002)
+            # stage: what Qwen4ExpModelState.prepare_inputs does before each forward (0002); each
+            # read consumes the staged step, so the second read needs a stage of its own.
+            if stage:
                 table.stage(input_ids, query_start_loc, ngram_context)
             embeddings = layer.ple_embedding(input_ids, query_start_loc, ngram_context)
+            if stage:
+                table.stage(input_ids, query_start_loc, ngram_context)
             out = layer(hidden, input_ids, query_start_loc, ngram_context)
             outputs["embeddings"].append(embeddings.clone())
             outputs["layer"].append(out.clone())
@@ -236,18 +242,64 @@ def smaps_mappings(start: int, end: int) -> list[tuple[int, int, str, list[str]]
     return found
 
 
+def mapped_rss(paths: set[str]) -> int:
+    """Resident bytes of this process's mappings of the given files (smaps "Rss")."""
+    total, current = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            current = len(fields) >= 6 and fields[5] in paths
+        elif current and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
 def cmd_memory(args) -> dict:
+    """Load the layer from a checkpoint whose files hold other tensors too (`..._filler`, read
+    the way the loader copies weights to the device), then look rows up: what stays mapped."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     vllm_config = make_vllm_config(args.checkpoint, True)
     config = vllm_config.model_config.hf_text_config
     steps = make_steps(args.seed, config.vocab_size, config.eos_token_id)
+    files = {str(p) for p in Path(args.checkpoint).resolve().glob("*.safetensors")}
+
+    def status():
+        found = {field: read_status(field) for field in ("VmRSS", "RssAnon", "RssFile")}
+        found["checkpoint_mappings_rss"] = mapped_rss(files)
+        return found
+
     with set_current_vllm_config(vllm_config):
         init_distributed()
-        rss_before, anon_before = read_status("VmRSS"), read_status("RssAnon")
-        layer = build_layer(vllm_config)
-        rss_loaded = read_status("VmRSS")
+        status_before = status()
+        from vllm.models.qwen4_exp.nvidia.ple_layer import Qwen4ExpPLELayer
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        with set_default_torch_dtype(vllm_config.model_config.dtype):
+            layer = Qwen4ExpPLELayer(config, vllm_config, layer_idx=0, ple_dense_layer_id=0, prefix=LAYER_NAME)
+        filler_bytes = 0
+        scratch = torch.empty(0, dtype=torch.bfloat16)
+
+        def weights():
+            nonlocal filler_bytes, scratch
+            for name, tensor in checkpoint_weights(vllm_config):
+                if name.endswith("_filler"):  # another module's weight: copied, as to the device
+                    if scratch.numel() < tensor.numel():
+                        scratch = torch.empty(tensor.numel(), dtype=tensor.dtype)
+                    scratch[: tensor.numel()].copy_(tensor)
+                    filler_bytes += tensor.numel() * tensor.element_size()
+                    continue
+                yield name, tensor
+
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        AutoWeightsLoader(layer).load_weights(weights())
+        loaded_before_release = status()
+        process_weights_after_loading(layer, vllm_config.model_config, torch.device("cpu"))
+        del scratch
+        status_loaded = status()
         table = layer.ple_embedding.ngram_embedding
         shards = []
         for index, shard in sorted(table.shards.items()):
@@ -269,16 +321,20 @@ def cmd_memory(args) -> dict:
         rows = 0
         with torch.no_grad(), set_forward_context(None, vllm_config):
             for input_ids, query_start_loc, ngram_context in steps:
+                if args.stage:
+                    table.stage(input_ids, query_start_loc, ngram_context)
                 layer.ple_embedding(input_ids, query_start_loc, ngram_context)
                 rows += input_ids.numel() * table.heads
-        rss_used, anon_used = read_status("VmRSS"), read_status("RssAnon")
+        status_used = status()
     return {
         "table_bytes": table.mapped_bytes,
-        "rss_before_load": rss_before,
-        "rss_after_load": rss_loaded,
-        "rss_after_lookups": rss_used,
-        "anon_before_load": anon_before,
-        "anon_after_lookups": anon_used,
+        "filler_bytes": filler_bytes,
+        "released_bytes": getattr(table, "released_bytes", None),
+        "page_size": os.sysconf("SC_PAGE_SIZE"),
+        "before_load": status_before,
+        "loaded_before_release": loaded_before_release,
+        "after_load": status_loaded,
+        "after_lookups": status_used,
         "rows_looked_up": rows,
         "row_bytes": table.row_bytes,
         "shards": shards,
@@ -326,7 +382,10 @@ def cmd_refusals(args) -> dict:
             if case.get("load_strategy_after_hook"):  # a load path that escapes the hook's check
                 vllm_config.load_config.safetensors_load_strategy = case["load_strategy_after_hook"]
             try:
-                build_layer(vllm_config)
+                layer = build_layer(vllm_config)
+                if case.get("reload"):  # reload_weights / waking up from sleep level 2: the
+                    # table's shards handed to the loaded n-gram embedding a second time
+                    load(layer.ple_embedding, vllm_config, PLE_PREFIX + "ple_embedding.")
             except Exception as exc:
                 results[case["name"]] = {
                     "stage": "load",
@@ -402,9 +461,124 @@ def cmd_fp8(args) -> dict:
     }
 
 
+def cmd_model_state(args) -> dict:
+    """Patch 0002 as the V2 runner drives it: Qwen4ExpModelState.prepare_inputs (which stages)
+    before each forward, prepare_dummy_inputs before warm-up/capture forwards; and what happens
+    when a forward runs without them, or the model has no ple_mmap table."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.models.qwen4_exp.nvidia.model_state import Qwen4ExpModelState
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    vllm_config = make_vllm_config(args.checkpoint, True)
+    config = vllm_config.model_config.hf_text_config
+    steps = make_steps(args.seed, config.vocab_size, config.eos_token_id)
+    cpu = torch.device("cpu")
+    report: dict = {"layer": [], "qsl_types": []}
+    with set_current_vllm_config(vllm_config):
+        init_distributed()
+        layer = build_layer(vllm_config)
+        table = layer.ple_embedding.ngram_embedding
+        model = torch.nn.Module()
+        model.layer = layer  # the model state finds the tables in model.modules()
+        state = Qwen4ExpModelState(vllm_config, model, None, cpu)
+        max_reqs = state.max_num_reqs
+        # The request state's two device tensors that _prepare_ngram_context reads (the real
+        # RequestState keeps all_token_ids in CUDA UVA memory, which a CPU has not).
+        req_states = SimpleNamespace(
+            num_computed_tokens=SimpleNamespace(gpu=torch.zeros(max_reqs, dtype=torch.int32)),
+            all_token_ids=SimpleNamespace(gpu=torch.zeros(max_reqs, 64, dtype=torch.int32)),
+        )
+        stage = table.stage
+
+        def recording_stage(input_ids, query_start_loc, ngram_context):
+            report["qsl_types"].append(type(query_start_loc).__name__)
+            return stage(input_ids, query_start_loc, ngram_context)
+
+        table.stage = recording_stage
+        buffers = InputBuffers(max_reqs, MAX_TOKENS, cpu)
+        generator = torch.Generator().manual_seed(args.seed)
+        with torch.no_grad(), set_forward_context(None, vllm_config):
+            for input_ids, query_start_loc, ngram_context in steps:
+                hidden = torch.randn(input_ids.numel(), layer.hc_hidden_size, generator=generator).to(torch.bfloat16)
+                num_reqs = query_start_loc.numel() - 1
+                batch = InputBatch.make_dummy(num_reqs, input_ids.numel(), buffers)
+                batch.input_ids.copy_(input_ids)
+                batch = dataclasses.replace(
+                    batch, query_start_loc=query_start_loc.clone(), query_start_loc_np=query_start_loc.numpy().copy()
+                )
+                # Each request's previous tokens, where _prepare_ngram_context gathers them from.
+                req_states.all_token_ids.gpu[:num_reqs, :2] = ngram_context
+                req_states.num_computed_tokens.gpu[:num_reqs] = 2
+                inputs = state.prepare_inputs(batch, req_states)
+                out = layer(hidden, batch.input_ids, inputs["query_start_loc"], inputs["ngram_context"])
+                report["layer"].append(out.clone())
+            # A forward with no prepare_inputs before it (a runner path that skipped it).
+            try:
+                layer(hidden, batch.input_ids, inputs["query_start_loc"], inputs["ngram_context"])
+                report["unstaged_forward"] = None
+            except RuntimeError as exc:
+                report["unstaged_forward"] = str(exc)
+            # The same under a CUDA graph replay, where only the device-side check runs.
+            state.prepare_inputs(batch, req_states)
+            table.check_staged()
+            try:
+                table.check_staged_device()
+                report["unstaged_replay"] = None
+            except RuntimeError as exc:
+                report["unstaged_replay"] = str(exc)
+            # Warm-up and capture forwards after prepare_dummy_inputs: any number of reads.
+            dummy = state.prepare_dummy_inputs(2, 4)
+            dummy_ids = torch.zeros(4, dtype=torch.int32)
+            dummy_hidden = torch.zeros(4, layer.hc_hidden_size, dtype=torch.bfloat16)
+            for _ in range(3):
+                layer(dummy_hidden, dummy_ids, dummy["query_start_loc"], dummy["ngram_context"])
+            report["dummy_reads"] = 3
+        # ple_mmap set, but a model without a ple_mmap table.
+        try:
+            Qwen4ExpModelState(vllm_config, torch.nn.Module(), None, cpu)
+            report["no_table"] = None
+        except RuntimeError as exc:
+            report["no_table"] = str(exc)
+    torch.save(report, args.out)
+    return {"steps": len(steps)}
+
+
+def cmd_strategies(args) -> dict:
+    """Each --safetensors-load-strategy under ple_mmap: refused, or the strategy the loader gets,
+    and whether vLLM's iterator then prefetches every file when it believes the checkpoint is on
+    NFS (the filesystem probe answers "nfs"; the prefetch itself is recorded, not run)."""
+    from vllm.model_executor.model_loader import weight_utils
+
+    files = sorted(str(p) for p in Path(args.checkpoint).glob("*.safetensors"))
+    prefetched: list[list[str]] = []
+    weight_utils._get_fs_type = lambda paths: "nfs"
+    weight_utils._prefetch_all_checkpoints = lambda paths, **kwargs: prefetched.append(list(paths))
+    results = {}
+    for strategy in (None, "lazy", "prefetch", "eager", "torchao"):
+        key = str(strategy)
+        try:
+            vllm_config = make_vllm_config(args.checkpoint, args.ple_mmap, strategy)
+        except Exception as exc:  # the config hook's refusal
+            results[key] = {"refused": str(exc)}
+            continue
+        effective = vllm_config.load_config.safetensors_load_strategy
+        if effective in ("eager", "torchao"):
+            results[key] = {"strategy": effective}
+            continue
+        before = len(prefetched)
+        for _ in weight_utils.safetensors_weights_iterator(files, False, effective):
+            pass
+        results[key] = {"strategy": effective, "prefetched_files": sum(map(len, prefetched[before:]))}
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["forward", "memory", "config", "refusals", "fp8"])
+    parser.add_argument("mode", choices=["forward", "memory", "config", "refusals", "fp8", "model_state", "strategies"])
     parser.add_argument("checkpoint", help="checkpoint folder (refusals: a JSON file of cases)")
     parser.add_argument("out")
     parser.add_argument("--ple-mmap", action="store_true")
@@ -417,9 +591,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     modes = {"forward": cmd_forward, "memory": cmd_memory, "config": cmd_config}
-    modes.update(refusals=cmd_refusals, fp8=cmd_fp8)
+    modes.update(refusals=cmd_refusals, fp8=cmd_fp8, model_state=cmd_model_state, strategies=cmd_strategies)
     result = modes[args.mode](args)
-    if args.mode != "forward":
+    if args.mode not in ("forward", "model_state"):
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({"mode": args.mode, "pid": os.getpid()}))
     return 0
