@@ -64,10 +64,13 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
 _UNITS.update({"g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4})
 
 # Lines of the NVIDIA driver, the CUDA runtime and PyTorch that report the GPU side running out of
-# memory, or the driver reporting a fault (Xid); the guard's own lines are never matched.
+# memory, or the driver reporting a fault (Xid).
 DRIVER_ERRORS = re.compile(
     r"NV_ERR_NO_MEMORY|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|CUDA out of memory|NVRM: Xid\b"
 )
+# serve.sh's header (it explains the GB10 settings by the errors they avoid), the guard's and the
+# watchdog's own lines: never evidence of a driver error.
+OWN_LINES = ("# ", "[memguard", "[watchdog")
 XID_PID = re.compile(r"NVRM: Xid\b.*?\bpid=(?P<pid>\d+)")
 
 
@@ -433,7 +436,7 @@ class Guard:
     def check_driver_logs(self) -> str | None:
         for name, follower in self.followers:
             for line in follower.lines():
-                if line.startswith("[memguard") or not DRIVER_ERRORS.search(line):
+                if line.startswith(OWN_LINES) or not DRIVER_ERRORS.search(line):
                     continue
                 xid = XID_PID.search(line)
                 if xid and not self.ours(int(xid.group("pid"))):

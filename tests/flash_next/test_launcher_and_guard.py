@@ -521,7 +521,10 @@ def _wait_for(path: Path, needle: str, timeout: float = 30) -> str:
 def test_memguard_stops_its_server_on_a_driver_out_of_memory_line(tmp_path, source, line):
     server, sibling = _idle_server(), _idle_server()
     server_log, kernel_log, guard_log = tmp_path / "server.log", tmp_path / "kern.log", tmp_path / "guard.log"
-    server_log.write_text("INFO vLLM starting\n")
+    # serve.sh's header explains the GB10 settings by the very errors they avoid: not evidence.
+    server_log.write_text(
+        "# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False (... NV_ERR_NO_MEMORY ...)\nINFO start\n"
+    )
     kernel_log.write_text("an old line: NVRM: Xid (PCI:0000:01:00): 31, pid=1, name=x\n")  # history: not acted on
     try:
         guard = _watch(server.pid, guard_log, "--server-log", str(server_log), "--kernel-log", str(kernel_log))
