@@ -60,7 +60,7 @@ python.pkgs.buildPythonPackage {
     ${python.pythonOnBuildForHost.interpreter} -m wheel unpack --dest unpacked "$wheel"
     tree=$(echo unpacked/vllm-*)
     ${lib.concatMapStrings (patch: ''
-      echo "applying ${seriesName}/${baseNameOf (toString patch)}"
+      echo "applying ${lib.removePrefix "${toString checkedSeries}/" (toString patch)}"
       patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -d "$tree" -i ${patch}
     '') seriesFiles}
     export HOME="$(mktemp -d)"

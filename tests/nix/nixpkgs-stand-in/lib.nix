@@ -94,6 +94,15 @@ in
     sep: f: list:
     concatStringsSep sep (map f list);
   escapeShellArg = text: "'${text}'";
+  removePrefix =
+    prefix: text:
+    let
+      n = builtins.stringLength prefix;
+    in
+    if builtins.substring 0 n text == prefix then
+      builtins.substring n (builtins.stringLength text - n) text
+    else
+      text;
   licenses = {
     asl20.shortName = "asl20";
     bsd3.shortName = "bsd3";
