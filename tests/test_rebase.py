@@ -170,7 +170,7 @@ def test_rebase_conflict_reports_each_hunk_with_both_sides_and_writes_nothing(tm
     assert "| from vllm.model_executor.models.interfaces import SupportsHCSP, SupportsPP" in err
     assert "| from vllm.model_executor.models.interfaces import LocalArgmaxMixin, SupportsPP" in err
     assert "| class Qwen4ExpMTP(nn.Module, SupportsHCSP, SupportsPP, Qwen4ExpMixtureOfExperts):" in err
-    assert "hunk(s) need a hand; nothing was written" in err
+    assert "hunk(s) need a hand; no series was written" in err
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []  # no staging folder left behind either
 
@@ -274,7 +274,7 @@ def test_rebase_help_is_enough_on_its_own():
         "--force",
         "three versions are merged",
         "git is not needed",
-        "NOTHING is written",
+        "nothing at all is written",
     ):
         assert needed in proc.stdout, needed
 
@@ -341,3 +341,58 @@ def test_file_diff_between_two_releases_of_a_real_file_round_trips():
     blob = subprocess.run(["git", "hash-object", "--stdin"], input=old, capture_output=True, text=True)
     if blob.returncode == 0:
         assert text.splitlines()[1].startswith(f"index {blob.stdout.strip()[:7]}..")
+
+
+def test_rebase_work_dir_hand_resolution_then_carry_and_stale_resolutions_are_caught(tmp_path):
+    base, new = sdist("0.29.0"), sdist("0.33.0")
+    series = tmp_path / "series-0.29.0"
+    shutil.copytree(PATCHES / "vllm-0.29.0", series)
+    work, out = tmp_path / "work", tmp_path / "out"
+    args = ["rebase", "mtp-pruning", "--patches-dir", str(series), "--base", str(base), "--target", str(new)]
+    args += ["--output", str(out), "--work", str(work)]
+    proc = run_tool(*args)
+    assert proc.returncode == 1 and not out.exists()
+    merged = work / MTP_PATCH.removesuffix(".patch") / "vllm/models/qwen4_exp/nvidia/mtp.py"
+    assert f"resolve it in {merged}" in proc.stderr
+    text = merged.read_text()
+    blocks = re.findall(
+        r"^<<<<<<< vLLM 0.33.0\n(.*?)^\|\|\|\|\|\|\| vLLM 0.29.0\n(.*?)^=======\n(.*?)^>>>>>>> ", text, re.M | re.S
+    )
+    assert len(blocks) == 2
+    assert blocks[0][0] == "from vllm.model_executor.models.interfaces import SupportsHCSP, SupportsPP\n"
+    assert "LocalArgmaxMixin, SupportsPP" in blocks[0][2]
+    # Resolve both: upstream's SupportsHCSP and the patch's LocalArgmaxMixin.
+    text = text.replace(
+        "".join(
+            ["<<<<<<< vLLM 0.33.0\n", *blocks[0][0], "||||||| vLLM 0.29.0\n", blocks[0][1], "=======\n", blocks[0][2]]
+        ),
+        "from vllm.model_executor.models.interfaces import LocalArgmaxMixin, SupportsHCSP, SupportsPP\n",
+    )
+    text = re.sub(
+        r"^<<<<<<< vLLM 0.33.0\nclass Qwen4ExpMTP\(nn.Module, .*?^>>>>>>> .*?\n",
+        "class Qwen4ExpMTP(LocalArgmaxMixin, nn.Module, SupportsHCSP, SupportsPP, Qwen4ExpMixtureOfExperts):\n",
+        re.sub(r"^>>>>>>> .*\n", "", text, count=1, flags=re.M),
+        count=1,
+        flags=re.M | re.S,
+    )
+    assert not tool.has_markers(text)
+    merged.write_text(text)
+    proc = run_tool(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "carried (2 merged, 1 new file, 1 resolved by hand)" in proc.stdout
+    tree = copy_tree(new, tmp_path / "tree")
+    assert run_tool("apply", "--patches-dir", str(out), "--target", str(tree)).returncode == 0
+    assert (tree / "vllm/models/qwen4_exp/nvidia/mtp.py").read_text() == text
+
+    # The patch changes in that file: the old resolution is stale, so it is set aside, not used.
+    patch_file = series / MTP_PATCH
+    patch_text = patch_file.read_text()
+    marker = "+    # speculative_config.draft_vocab_path is honoured (draft_vocab.HOOK_ATTRIBUTE).\n"
+    assert patch_text.count(marker) == 2
+    patch_file.write_text(patch_text.replace(marker, marker.replace("honoured", "honored")))
+    proc = run_tool(*args, "--force")
+    assert proc.returncode == 1
+    assert "was resolved for other inputs" in proc.stderr
+    assert Path(str(merged) + ".old").read_text() == text
+    assert tool.has_markers(merged.read_text())
+    assert (out / "series").exists()  # the earlier output is left as it was

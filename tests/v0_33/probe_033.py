@@ -1,0 +1,139 @@
+"""Run vLLM 0.33.0's own code for the MTP draft head: configuration, then the V2 draft loader.
+
+Run by test_mtp_pruning_033.py in a subprocess whose PYTHONPATH puts a (patched) 0.33.0 `vllm/`
+tree first over the test venv. Per scenario (JSON: name, model, keep, quantization, adaptive):
+
+1. `EngineArgs(...).create_engine_config()`, as `vllm serve` builds it (Model Runner V2 forced:
+   draft_lm_head_quantization is V2-only, and the CPU platform would pick V1);
+2. with "load": `load_eagle_model` (the V2 MTP speculator's loader: it builds the real draft
+   class from the checkpoint with vLLM's loader, then decides lm_head sharing and quantization).
+   Its target is the checkpoint's embedding and lm_head as vLLM layers: the only parts of the
+   target that `load_eagle_model` reads (0.33's Qwen3.5 target needs 0.33's compiled CPU ops,
+   which are not here). Then `compute_logits` and `get_top_tokens` on fixed hidden states.
+
+Every outcome (or the error) is saved to --out with torch.save.
+
+    python probe_033.py --out OUT.pt \\
+        --scenario '{"name": "fp8", "model": DIR, "keep": K, "quantization": "fp8", "load": true}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+
+
+def build_config(scenario: dict):
+    """The VllmConfig (or, with "spec_only", only its SpeculativeConfig: adaptive verification
+    also needs full CUDA graphs, which VllmConfig refuses on this CPU)."""
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    if scenario.get("keep"):
+        spec["draft_vocab_path"] = scenario["keep"]
+    if scenario.get("quantization"):
+        spec["draft_lm_head_quantization"] = scenario["quantization"]
+    if scenario.get("adaptive"):
+        spec["enable_adaptive_verification"] = True
+    engine_args = EngineArgs(
+        model=scenario["model"],
+        max_model_len=256,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        speculative_config=spec,
+    )
+    if scenario.get("spec_only"):
+        return engine_args.create_speculative_config(engine_args.create_model_config(), ParallelConfig())
+    return engine_args.create_engine_config()
+
+
+def target_parts(model_dir: str):
+    """The target's embedding and lm_head, as vLLM layers holding the checkpoint's tensors."""
+    import torch.nn as nn
+    from safetensors.torch import load_file
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    vocab, hidden = weights["lm_head.weight"].shape
+    target = nn.Module()
+    target.model = nn.Module()
+    target.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, params_dtype=torch.bfloat16)
+    target.model.embed_tokens.weight.data[:vocab].copy_(weights["model.embed_tokens.weight"])
+    target.lm_head = ParallelLMHead(vocab, hidden, params_dtype=torch.bfloat16)
+    target.lm_head.weight.data[:vocab].copy_(weights["lm_head.weight"])
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", action="append", required=True, help="JSON; repeatable")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    results = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__}
+    initialized = False
+    for scenario in map(json.loads, args.scenario):
+        record: dict = {}
+        results[scenario["name"]] = record
+        try:
+            config = build_config(scenario)
+            spec = config if scenario.get("spec_only") else config.speculative_config
+            record["config"] = {
+                "draft_vocab_path": getattr(spec, "draft_vocab_path", None),
+                "use_local_argmax_reduction": spec.use_local_argmax_reduction,
+                "draft_lm_head_quantization": spec.draft_lm_head_quantization,
+                "enable_adaptive_verification": spec.enable_adaptive_verification,
+            }
+            if not scenario.get("load"):
+                continue
+            with set_current_vllm_config(config):
+                if not initialized:
+                    init_distributed_environment(
+                        world_size=1,
+                        rank=0,
+                        local_rank=0,
+                        backend="gloo",
+                        distributed_init_method=f"file://{tempfile.mktemp(prefix='probe-033-')}",
+                    )
+                    initialize_model_parallel(1, 1)
+                    initialized = True
+                from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+                target = target_parts(scenario["model"])
+                draft = load_eagle_model(target, config)
+                hidden = torch.randn(
+                    6, config.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(7)
+                )
+                hidden = hidden.to(torch.bfloat16)
+                with torch.inference_mode():
+                    logits = draft.compute_logits(hidden)
+                    top = draft.get_top_tokens(hidden)
+                head = draft.lm_head
+                record.update(
+                    shares_target_head=head is target.lm_head,
+                    head_rows=int(head.org_vocab_size),
+                    head_quant_method=type(head.quant_method).__name__,
+                    head_weight_dtype=str(head.weight.dtype),
+                    hidden=hidden,
+                    logits=logits.float(),
+                    top=top,
+                )
+        except Exception as e:  # the outcome under test: saved, not raised
+            record["error"] = f"{type(e).__name__}: {e}"
+    torch.save(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

