@@ -1082,7 +1082,13 @@ def command_rebase(args) -> int:
     new_target = find_target(args.target, args.python)
     base_target = find_target(args.base, None)
     new_release = release_of(new_target.version)
-    folder = series_dir(args.patches_dir, base_target.version, args.series)
+    try:
+        folder = series_dir(args.patches_dir, base_target.version, args.series)
+    except NoSeries as e:
+        raise ToolError(
+            f"--base {args.base} is vLLM {base_target.version}, which has no series; series exist for vLLM "
+            f"{', '.join(e.found)}: give a pristine tree of one of those releases (--series picks which)"
+        ) from e
     if os.path.isfile(os.path.join(args.patches_dir, "series")):
         old_release = release_of(base_target.version)
         if not args.output:

@@ -263,6 +263,9 @@ def test_rebase_refuses_a_base_that_is_not_the_pristine_release(tmp_path):
     assert proc.returncode == 2 and "is not a pristine vLLM 0.29.0" in proc.stderr
     proc = run_tool("rebase", "--target", new)
     assert proc.returncode == 2 and "rebase needs --base DIR" in proc.stderr
+    proc = run_tool("rebase", "--base", new, "--target", str(sdist("0.33.0")))
+    assert proc.returncode == 2
+    assert "is vLLM 0.30.0, which has no series; series exist for vLLM 0.29.0, 0.33.0" in proc.stderr
 
 
 def test_rebase_help_is_enough_on_its_own():
