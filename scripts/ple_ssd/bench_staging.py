@@ -11,7 +11,8 @@ the module that patch 0001 adds to vLLM, read from the patch file itself (so the
 needs only torch, numpy and safetensors), beside the same module as it was before issue 14
 (`baseline/0001-ple-mmap-table.before-issue-14.patch`), in one run:
 
-`--suite server` (the default) times the conditions a serving vLLM worker runs in:
+`--suite server` (the default) times the conditions a serving vLLM worker runs in, warm (every
+page of the table cached and mapped first):
 
 - `stage/*`: `MmapNGramTable.stage()` from the step's inputs on the device, as
   `Qwen4ExpModelState.prepare_inputs` calls it (the new one with `query_start_loc` from the
@@ -381,6 +382,10 @@ def run_server(args, ctx: dict, results: dict, save) -> None:
 
     new = build(ctx["new"])
     old = build(ctx["old"], num_threads=args.pool_threads)
+    # Warm: every page of the table cached and mapped, as after a server's first requests.
+    cache = CacheControl(shards, ctx["paths"], ctx["new"])
+    cache.touch_all()
+    results["environment"]["resident_fraction_warm"] = cache.resident_fraction()
     results["environment"]["table"] = new.describe()
     results["environment"]["old_table"] = old.describe()
     rng = random.Random(11)
