@@ -31,16 +31,21 @@ What the fp8 paths model (read in the vLLM 0.33.0 sources:
   * weight: one fp32 scale per output row (per channel), scale = max(amax(|row|) / 448,
     1 / (448 * 512)), q = clamp(w / scale, -448, 448) in float8_e4m3fn (true division);
   * activation: dynamic, one fp32 scale per token, the same formula over the hidden state
-    (vLLM's `dynamic_per_token_scaled_fp8_quant` CUDA kernel);
+    (vLLM's `QuantFP8`, see below);
   * GEMM: fp8 x fp8 with fp32 accumulation, the two scale vectors applied in the epilogue, bf16
     logits. vLLM calls its CUTLASS 3.x sm90 kernels (`cutlass_scaled_mm`, FP8 fast accumulation);
     here `torch._scaled_mm` with row-wise scales (scale_a [M, 1], scale_b [1, N],
     use_fast_accum=True), torch's own CUTLASS row-wise kernel on sm90: the same arithmetic and
     the same bytes read, not the same tile configuration.
-Not modelled: vLLM's activation quantization is one fused kernel; in torch it is several small
-kernels (`full-fp8`, `pruned-fp8-argmax`: an upper bound) or one Triton kernel from
-torch.compile (`*-fused`, the closer model, when torch.compile works on the machine);
-`act-quant` times it alone so the difference can be read off. If torch._scaled_mm refuses a
+The activation quantization is `QuantFP8`, a vLLM CustomOp: with custom ops on (`--enforce-eager`,
+or checkpoints with block-quantized fp8 weights) its CUDA kernel, one launch, dividing by the
+scale; with torch.compile and custom ops off (vLLM's default otherwise, Flash-Next NVFP4
+included) its `forward_native`, compiled by inductor (`compile_native`), multiplying by the
+scale's reciprocal. Either way about one fused kernel: the `*-fused` variants (this function
+compiled by torch.compile, dividing like the CUDA kernel) are the model of vLLM; the plain
+`full-fp8` / `pruned-fp8-argmax` run the quantization as several eager torch kernels, an upper
+bound; `act-quant` and `act-quant-fused` time it alone so the difference can be read off.
+Division and reciprocal multiplication can round the last bit of a value differently. If torch._scaled_mm refuses a
 batch that is not a multiple of 16, the fp8 paths quantize into a zero-padded 16-row buffer
 (recorded as `fp8_batch_rows`); vLLM's CUTLASS call takes any batch.
 
