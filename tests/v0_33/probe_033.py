@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.inference_mode():
                     logits = draft.compute_logits(hidden)
                     top = draft.get_top_tokens(hidden)
+                    try:  # as 0.33's multi-module MTP speculator calls it
+                        record["top_step_1"] = draft.get_top_tokens(hidden, spec_step_idx=1)
+                    except TypeError as e:
+                        record["top_step_1"] = f"TypeError: {e}"
                 head = draft.lm_head
                 record.update(
                     shares_target_head=head is target.lm_head,

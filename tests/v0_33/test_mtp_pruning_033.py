@@ -64,6 +64,7 @@ def runs(tmp_path_factory, tiny_random_model, overlays_033):
         [
             {"name": "adaptive", "model": model, "keep": keep_path, "adaptive": True, "spec_only": True},
             {"name": "fp8", "model": model, "keep": keep_path, "quantization": "fp8", "load": True},
+            {"name": "bf16", "model": model, "keep": keep_path, "load": True},
         ],
         folder / "0001.pt",
     )
@@ -141,3 +142,9 @@ def test_stock_fp8_still_quantizes_the_shared_target_head(runs):
 
 def test_without_0002_a_pruned_draft_with_fp8_stops_at_load(runs):
     assert "needs a drafter that shares the target lm_head" in runs["0001"]["fp8"]["error"]
+
+
+def test_top_tokens_take_the_multi_module_speculators_step_index(runs):
+    assert torch.equal(runs["series"]["bf16"]["top_step_1"], runs["series"]["bf16"]["top"])
+    assert torch.equal(runs["series"]["fp8"]["top_step_1"], runs["series"]["fp8"]["top"])
+    assert "unexpected keyword argument 'spec_step_idx'" in runs["0001"]["bf16"]["top_step_1"]
