@@ -162,11 +162,11 @@ def test_every_path_runs_checks_and_lands_in_the_summary_on_cpu(bench):
     assert pruned_fp8["weight_gb"] == pytest.approx((128 * 64 + 128 * 4) / 1e9)
     assert len(result["summary"]) == 4
     entry = next(e for e in result["summary"] if e["keep"] == 1000 and e["batch"] == 3)
-    assert set(entry["ms"]) == {"full bf16", "full fp8", "pruned bf16", "pruned fp8"}
+    assert set(entry["ms"]) == {"full bf16", "full fp8 (eager quant)", "pruned bf16", "pruned fp8 (eager quant)"}
     by_path = {(r["path"], r["rows"], r["batch"]): r["graph_ms"] for r in result["records"]}
     expected = by_path[("full-fp8", 4096, 3)] / by_path[("pruned-argmax", 1000, 3)]
-    assert entry["ratios"]["full fp8 / pruned bf16"] == pytest.approx(expected)
-    assert entry["ratios"]["full fp8 (fused) / pruned bf16"] is None  # fused variants skipped
+    assert entry["ratios"]["full fp8 (eager quant) / pruned bf16"] == pytest.approx(expected)
+    assert entry["ratios"]["full fp8 (fused quant) / pruned bf16"] is None  # fused variants skipped
 
 
 def test_a_wrong_post_processing_fails_the_check_before_timing(bench, monkeypatch):
