@@ -71,7 +71,8 @@ KERNELS = {"c": "_C_stable_libtorch.abi3.so", "moe": "_moe_C_stable_libtorch.abi
 # Left out of the site tree: flash-attn (TRITON_ATTN is used), the Rust front-end, CUDA headers
 # for JIT builds, the kernel libraries (their own calls) and other optional kernels.
 WHEEL_EXCLUDE = (
-    "vllm/vllm_flash_attn/",
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # its Python files are needed (model imports), not these
+    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
     "vllm/third_party/fmha_sm100/",
     "vllm/third_party/deep_gemm/",
     "vllm/vllm-rs",
@@ -487,6 +488,12 @@ def cmd_run(args) -> int:
         result = run_one(cfg, timeout, GPUH / "logs", env)
         done.write_text(json.dumps(result))
         print("[run] " + proof.one_line(result), flush=True)
+        if not result.get("ok") and "init_s" not in result and not args.keep_going:
+            # vLLM did not start: the next configurations would most likely fail the same way.
+            print(f"[run] STOP: {cfg['name']} failed before vLLM was up; the excerpt says why", flush=True)
+            for line in result.get("failure_excerpt", [])[-12:]:
+                print("[run]   " + line, flush=True)
+            break
     collect(out)
     return 0
 
@@ -546,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=540, help="seconds for all configurations (default: %(default)s)")
     p.add_argument("--only", help="comma list of configuration names")
     p.add_argument("--skip-done", action="store_true", help="skip configurations with a result in /tmp/gpuh")
+    p.add_argument("--keep-going", action="store_true", help="go on after a configuration whose vLLM did not start")
     p.add_argument("--prepare-models", action="store_true", help="materialize the suite's large models first")
     p = sub.add_parser("models", help="GPU machine: write the suite's large checkpoints (they never travel)")
     p.add_argument("--suite", required=True, choices=sorted(suites.SUITES))

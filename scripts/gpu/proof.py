@@ -80,8 +80,13 @@ def one_line(result: dict) -> str:
             parts.append(f"steps={result[check].get('counts', {}).get('steps')}")
     if "speed" in result:
         sp = result["speed"]
-        parts.append(" ".join(f"{k}={sp[k]['decode_tok_s']} tok/s ({sp[k]['exact']})" for k in sp if k.startswith("c")))
+        parts.append(" ".join(f"{k}={sp[k]['decode_tok_s']} tok/s ({sp[k]['exact']})" for k in sp if _is_conc(k)))
     return " | ".join(parts)
+
+
+def _is_conc(key: str) -> bool:
+    """speed results: "c1", "c4", ... (not "check_s")."""
+    return re.fullmatch(r"c\d+", key) is not None
 
 
 def machine() -> dict:
@@ -209,12 +214,12 @@ def compare(results: dict) -> dict:
             if base and base.get("ok") and "greedy_increment" in base:
                 entry["ids_equal_to_" + base_name] = g["ids"] == base["greedy_increment"]["ids"]
         if "speed" in res:
-            entry["decode_tok_s"] = {k: v["decode_tok_s"] for k, v in res["speed"].items() if k.startswith("c")}
+            entry["decode_tok_s"] = {k: v["decode_tok_s"] for k, v in res["speed"].items() if _is_conc(k)}
             if base and base.get("ok") and "speed" in base:
                 entry["speedup_vs_" + base_name] = {
                     k: round(v["decode_tok_s"] / base["speed"][k]["decode_tok_s"], 3)
                     for k, v in res["speed"].items()
-                    if k.startswith("c") and k in base["speed"]
+                    if _is_conc(k) and k in base["speed"]
                 }
                 prof, bprof = res["speed"].get("profile"), base["speed"].get("profile")
                 if prof and bprof:

@@ -35,7 +35,7 @@ MTP = [
         "inc-fdo-even",
         "fdo",
         "even",
-        "even ids only: position 0 accepted half the time, 1+ never",
+        "even ids only: position 0 accepted once a request is in step (after at most one miss), 1+ never",
         compare_to="inc-fdo-base",
     ),
     {

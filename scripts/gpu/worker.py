@@ -52,8 +52,16 @@ def install_hooks() -> list[str]:
 
             def make(orig):
                 def run_fullgraph(self, *args, **kwargs):
-                    COUNTS["replays"][type(self).__name__] += 1
-                    return orig(self, *args, **kwargs)
+                    # A subclass's run_fullgraph may call the base one: count the outer call only.
+                    outer = not getattr(self, "_gpuh_in_replay", False)
+                    if outer:
+                        COUNTS["replays"][type(self).__name__] += 1
+                        self._gpuh_in_replay = True
+                    try:
+                        return orig(self, *args, **kwargs)
+                    finally:
+                        if outer:
+                            self._gpuh_in_replay = False
 
                 return run_fullgraph
 
