@@ -267,6 +267,8 @@ def relative_paths_in(args: list[str], cwd: str) -> list[str]:
         value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
         if value.startswith("-") or os.path.isabs(value) or not value:
             continue
+        if os.sep not in value and "." not in value:  # a bare word (a served name, a parser) is no path
+            continue
         if os.path.exists(os.path.join(cwd, value)):
             found.append(value)
     return found

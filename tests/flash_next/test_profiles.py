@@ -208,6 +208,11 @@ def test_plan_applies_and_explains_the_gb10_settings_and_keeps_yours(tmp_path, t
 
 def test_plan_refuses_relative_paths_among_the_vllm_arguments(tmp_path, tiny_mtp_model):
     (tmp_path / "template.jinja").write_text("{{ messages }}")
+    (tmp_path / "tiny").mkdir()  # a bare word that happens to name a folder here is a name, not a path
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, tmp_path, "--served-model-name", "tiny")
+    assert proc.returncode == 0, proc.stderr
+    os.rmdir(plan["cwd"])
+    (tmp_path / "server.log").unlink()
     proc, plan, header = _plan(tmp_path, tiny_mtp_model, tmp_path, "--chat-template", "template.jinja")
     assert proc.returncode == 1 and plan is None and header == ""
     assert "template.jinja: relative path(s) among the vLLM arguments" in proc.stderr and "absolute" in proc.stderr
