@@ -27,6 +27,7 @@ import getpass
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -461,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:16s} {profile_path(name)}")
             return 0
         config, _ = apply_overrides(load_profile(profile_path(_env("PROFILE") or DEFAULT_PROFILE)))
-        print(" ".join(expand(config)))
+        print(shlex.join(expand(config)))
         return 0
     except Refused as e:
         print(f"serve.sh: refusing to start: {e}", file=sys.stderr)
