@@ -21,6 +21,9 @@ from safetensors.torch import load_file
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
 
+sys.path.insert(0, str(TESTS / "mtp_pruning"))
+
+from pruning_helpers import qwen4_exp_dir  # noqa: E402
 from vllm_overlay import vllm_env  # noqa: E402
 
 PROBE = Path(__file__).resolve().parent / "probe_033.py"
@@ -43,11 +46,12 @@ def run_probe(overlay: Path, scenarios: list[dict], out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_random_model, overlays_033):
+def runs(tmp_path_factory, tiny_random_model, tokenizer_dir, overlays_033):
     folder = tmp_path_factory.mktemp("mtp-033")
     keep = np.arange(5, VOCAB, 3, dtype=np.int64)  # K = 1364, not a multiple of the head's padding
     np.save(folder / "keep.npy", keep)
     model, keep_path = str(tiny_random_model), str(folder / "keep.npy")
+    qwen4_exp, _ = qwen4_exp_dir(folder / "qwen4-exp", Path(tokenizer_dir), tied=False)
     series = run_probe(
         overlays_033["series"],
         [
@@ -56,6 +60,7 @@ def runs(tmp_path_factory, tiny_random_model, overlays_033):
             {"name": "bf16", "model": model, "keep": keep_path, "load": True},
             {"name": "fp8", "model": model, "keep": keep_path, "quantization": "fp8", "load": True},
             {"name": "stock_fp8", "model": model, "quantization": "fp8", "load": True},
+            {"name": "qwen4_exp", "model": str(qwen4_exp), "keep": keep_path, "quantization": "fp8"},
         ],
         folder / "series.pt",
     )
@@ -90,6 +95,13 @@ def test_config_validates_the_keepset_and_turns_on_the_local_argmax(runs):
     assert config["draft_vocab_path"].endswith("keep.npy")
     assert config["use_local_argmax_reduction"] is True
     assert "valid keep-set of 1364 of 4096 ids" in runs["series"]["log"]
+
+
+def test_a_qwen4_exp_draft_passes_0_33s_config_with_pruning_and_fp8(runs):
+    # The registry resolves 0.33's own Qwen4ExpMTP class on this platform, and it carries the hook.
+    config = runs["series"]["qwen4_exp"].get("config")
+    assert config, runs["series"]["qwen4_exp"]
+    assert config["use_local_argmax_reduction"] is True and config["draft_lm_head_quantization"] == "fp8"
 
 
 def test_adaptive_verification_keeps_the_draft_logits(runs):
