@@ -399,7 +399,7 @@ def run_server(args, ctx: dict, results: dict, save) -> None:
 
     def new_stage(host, dev):
         # As Qwen4ExpModelState.prepare_inputs calls it: query_start_loc from the host copy.
-        new.stage(dev[0], host[1].numpy(), dev[2])
+        new.stage(*dev, query_start_loc_host=host[1].numpy())
         new.check_staged_host()  # the forward's read, host side
 
     def old_stage(host, dev):
@@ -876,7 +876,10 @@ def breakdown(table, hasher, rng, device, token_sizes, iterations: int = 200) ->
             "gather_host": lambda ids=ids: table.gather_host(ids),  # offsets + rows into the pinned buffer
             "upload_and_sync": lambda out=out, staging=staging: (out.copy_(staging, non_blocking=True), sync(device)),
             "stage_host_ids_and_sync": lambda host=host: (table.stage(*host), sync(device)),
-            "stage_device_ids_and_sync": lambda dev=dev, qsl=qsl: (table.stage(dev[0], qsl, dev[2]), sync(device)),
+            "stage_device_ids_and_sync": lambda dev=dev, qsl=qsl: (
+                table.stage(*dev, query_start_loc_host=qsl),
+                sync(device),
+            ),
         }
         report[tokens] = {}
         for name, part in parts.items():

@@ -494,9 +494,9 @@ def cmd_model_state(args) -> dict:
         )
         stage = table.stage
 
-        def recording_stage(input_ids, query_start_loc, ngram_context):
-            report["qsl_types"].append(type(query_start_loc).__name__)
-            return stage(input_ids, query_start_loc, ngram_context)
+        def recording_stage(input_ids, query_start_loc, ngram_context, query_start_loc_host=None):
+            report["qsl_types"].append(type(query_start_loc_host).__name__)
+            return stage(input_ids, query_start_loc, ngram_context, query_start_loc_host=query_start_loc_host)
 
         table.stage = recording_stage
         buffers = InputBuffers(max_reqs, MAX_TOKENS, cpu)
