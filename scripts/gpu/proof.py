@@ -242,6 +242,7 @@ def compare(results: dict) -> dict:
         if "ple" in res:
             p = res["ple"]
             entry["stage"] = p["counts"].get("stage")
+            entry["lookup"] = p["counts"].get("lookup")
             entry["steps"] = p["counts"].get("steps")
             entry["replays"] = p["counts"].get("replays")
             entry["memory"] = p.get("memory")

@@ -8,10 +8,9 @@ checkpoint: the PLE n-gram table (>= 1 GiB, 160-wide BF16 rows as the real model
 SHARDS `...ngram_embedding.shard_<i>.weight` tensors spread over FILES safetensors files,
 each file also holding other tensors, interleaved.
 
-The config: 2 decoder layers (GDN with PLE, then QSA attention), 4 experts (2 per token) and
-a shared expert per layer, hyper-connections (hc_count 2), one MTP layer, and a QSA indexer
-that takes vLLM's fused pre-indexer path (head_dim 128, rotary_dim 64, 1 KV head,
-compress ratio 4: no FlashInfer needed).
+The config: 2 decoder layers (GDN with PLE, then gated full attention, head_dim 128), 4
+experts (2 per token) and a shared expert per layer, hyper-connections (hc_count 2), one MTP
+layer. No QSA indexer (WITH_QSA says why).
 """
 
 from __future__ import annotations
@@ -27,6 +26,11 @@ SHARDS = 128
 FILES = 4
 NGRAM_HEADS, HEAD_DIM = 16, 160
 VOCAB = 4096
+# vLLM 0.29's QSA attention (Qwen4ExpQSAFlashAttentionImpl) needs the FlashAttention extension
+# (_vllm_fa3_C.abi3.so, 153 MB: three more calls to carry), so the attention layers are plain
+# full attention: transformers builds the indexer (its names stay the real ones), the spec
+# drops it and the indexer_* fields.
+WITH_QSA = False
 
 
 def text_config(ngram_vocab_size_base: int = TABLE_BASE) -> dict:
@@ -78,13 +82,13 @@ VISION = {
 
 def _mtp_names(model_state: dict, num_layers: int) -> dict:
     """The MTP block: fc_embedding / fc_hidden / pre-fc norms / final HC mixer, and one decoder
-    layer shaped as the last full-attention layer without its QSA indexer."""
+    layer shaped as the last (full-attention, QSA) layer: vLLM builds it as full_attention."""
     out = {}
     hidden = model_state["model.language_model.embed_tokens.weight"].shape[1]
     mixer = "model.language_model.hyper_connection_mixer."
     src_layer = f"model.language_model.layers.{num_layers - 1}."
     for name, tensor in model_state.items():
-        if name.startswith(src_layer) and ".indexer." not in name and ".ple." not in name:
+        if name.startswith(src_layer) and ".ple." not in name:
             out["mtp.layers.0." + name[len(src_layer) :]] = tensor.clone()
         elif name.startswith(mixer):
             out["mtp.hyper_connection_mixer." + name[len(mixer) :]] = tensor.clone()
@@ -117,10 +121,29 @@ def build_spec(out: Path, seed: int = 0) -> Path:
             if tensor.is_floating_point() and name.endswith("norm.weight"):
                 state[name] = (torch.randn(tensor.shape) * 0.1).to(tensor.dtype)
     state.update({k: v.to(torch.bfloat16) for k, v in _mtp_names(state, config.text_config.num_hidden_layers).items()})
+    if not WITH_QSA:
+        state = {k: v for k, v in state.items() if ".indexer." not in k}
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "small.safetensors"))
     full = Qwen4ExpConfig(text_config=text_config(), vision_config=VISION).to_dict()
     full["architectures"] = ["Qwen4ExpForConditionalGeneration"]
+    full["text_config"]["output_gate_type"] = "sigmoid"  # vLLM's default; transformers writes null
+    # vLLM's V1 MTP proposer reads config.image_token_index (transformers writes *_token_id).
+    full["image_token_index"], full["video_token_index"] = full["image_token_id"], full["video_token_id"]
+    if not WITH_QSA:
+        for field in (
+            "indexer_n_heads",
+            "indexer_kv_heads",
+            "indexer_head_dim",
+            "indexer_budget",
+            "indexer_compress_ratio",
+        ):
+            full["text_config"].pop(field, None)
+    # transformers renames a QSA layer "indexed_attention"; vLLM (and the real config) say
+    # "full_attention" with the indexer_* fields set.
+    full["text_config"]["layer_types"] = [
+        "full_attention" if t == "indexed_attention" else t for t in full["text_config"]["layer_types"]
+    ]
     full["text_config"]["mtp_num_hidden_layers"] = 1
     full["torch_dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(full, indent=1))

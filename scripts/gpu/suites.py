@@ -113,7 +113,7 @@ def _ple(name, compile_, mmap, about, env=None, **extra):
         "about": about,
         "model": "q4e",
         "compile": compile_,
-        "mtp": 1,
+        "mtp": None,
         "keep": None,
         "checks": ["ple"],
         "max_num_seqs": 8,
@@ -123,14 +123,14 @@ def _ple(name, compile_, mmap, about, env=None, **extra):
         "gpu_memory_utilization": 0.3,
         "hf_overrides": {"ple_mmap": True} if mmap else None,
         "env": env or {},
-        "llm_extra": {"enable_prefix_caching": False},
+        "llm_extra": {"enable_prefix_caching": False, "language_model_only": True},
     }
     cfg.update(extra)
     return cfg
 
 
 PLE = [
-    _ple("q4e-resident-fp", "fp", False, "resident table (stock path), FULL_AND_PIECEWISE (first: JIT)", timeout_s=360),
+    _ple("q4e-resident-fp", "fp", False, "resident table (stock path), FULL_AND_PIECEWISE (first: JIT)", timeout_s=330),
     _ple(
         "q4e-mmap12-fp",
         "fp",
@@ -144,7 +144,16 @@ PLE = [
         True,
         "ple_mmap, 0001 alone: cudagraph mode forced to PIECEWISE",
         site="site-0001",
-        compare_to="q4e-resident-fp",
+        compare_to="q4e-resident-pw",
+    ),
+    _ple("q4e-resident-pw", "pw", False, "resident table, PIECEWISE: the reference of 0001 alone"),
+    _ple(
+        "q4e-mmap12-fp-mtp",
+        "fp",
+        True,
+        "ple_mmap 0001+0002 with the checkpoint's MTP layer drafting (k=1)",
+        mtp=1,
+        compare_to="q4e-mmap12-fp",
     ),
 ]
 
@@ -159,6 +168,9 @@ def prepare_models(suite: str, models_dir: Path) -> None:
         models.materialize_big(models_dir / "big-spec", models_dir / "big")
         print(f"[models] wrote {models_dir / 'big'}", flush=True)
     if suite == "ple" and not (models_dir / "q4e" / "config.json").exists():
+        import sys
+
+        sys.path.insert(0, str(models_dir.parent / "site"))  # vLLM's own table layout
         import qwen4exp
 
         qwen4exp.materialize(models_dir / "q4e-spec", models_dir / "q4e")

@@ -24,6 +24,7 @@ import models  # noqa: E402
 
 COUNTS: dict = {"steps": collections.Counter(), "step_tokens": collections.Counter(), "replays": collections.Counter()}
 STAGE: dict = {"calls": 0, "seconds": [], "tokens": []}
+LOOKUP: dict = {"calls": 0, "seconds": []}
 
 
 def install_hooks() -> list[str]:
@@ -86,6 +87,19 @@ def install_hooks() -> list[str]:
 
             ple_mmap.MmapNGramTable.stage = timed_stage
             installed.append("MmapNGramTable.stage")
+        if hasattr(ple_mmap.MmapNGramTable, "lookup"):
+            lookup = ple_mmap.MmapNGramTable.lookup
+
+            def timed_lookup(self, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return lookup(self, *args, **kwargs)
+                finally:
+                    LOOKUP["calls"] += 1
+                    LOOKUP["seconds"].append(time.perf_counter() - t0)
+
+            ple_mmap.MmapNGramTable.lookup = timed_lookup
+            installed.append("MmapNGramTable.lookup")
     except ImportError:
         pass
     return installed
@@ -95,6 +109,7 @@ def reset_counts() -> None:
     for counter in COUNTS.values():
         counter.clear()
     STAGE.update(calls=0, seconds=[], tokens=[])
+    LOOKUP.update(calls=0, seconds=[])
 
 
 def snapshot_counts() -> dict:
@@ -108,6 +123,14 @@ def snapshot_counts() -> dict:
             "us_max": round(us[-1], 1),
             "tokens_max": max(STAGE["tokens"]),
             "calls_over_64_tokens": sum(t > 64 for t in STAGE["tokens"]),
+        }
+    if LOOKUP["calls"]:
+        us = sorted(s * 1e6 for s in LOOKUP["seconds"])
+        out["lookup"] = {
+            "calls": LOOKUP["calls"],
+            "us_median": round(statistics.median(us), 1),
+            "us_p90": round(us[int(0.9 * (len(us) - 1))], 1),
+            "us_max": round(us[-1], 1),
         }
     return out
 
