@@ -309,6 +309,8 @@ def cmd_prepare(args) -> int:
         if proc.returncode != 0:
             raise HarnessError(f"patches.py apply failed:\n{proc.stdout}{proc.stderr}")
         print("[prepare] " + proc.stdout.strip().replace("\n", "\n[prepare] "), flush=True)
+        if args.suite == "ple":
+            _variant_files(wheel, site, work, "site-0001", ["ple-ssd/0001", "mtp-pruning"])
         for cache in site.rglob("__pycache__"):
             shutil.rmtree(cache, ignore_errors=True)
         if args.suite == "mtp":
@@ -327,6 +329,8 @@ def cmd_prepare(args) -> int:
         print("[prepare] xz the site tree and the models, ~1-2 min", flush=True)
         tar_xz(site, out / "site.tar.xz", "site")
         tar_xz(work / "models", out / "models.tar.xz", "models")
+        for variant in sorted(work.glob("variant-*")):
+            tar_xz(variant, out / f"{variant.name}.tar.xz", variant.name)
         write_manifest(
             out, {**common, "part": "site", "suite": args.suite, "deps": deps, "patches_applied": proc.stdout.strip()}
         )
@@ -346,6 +350,34 @@ def cmd_prepare(args) -> int:
         if size > CALL_LIMIT:
             return 1
     return 0
+
+
+def _variant_files(wheel: Path, site: Path, work: Path, name: str, selectors: list[str]) -> None:
+    """The vllm/ files in which a tree patched with SELECTORS only differs from SITE (the whole
+    series), saved under work/variant-NAME; the GPU side hard-links SITE and swaps them in."""
+    import filecmp
+
+    other = work / f"tree-{name}"
+    unzip_into(wheel, other, WHEEL_EXCLUDE)
+    cmd = [sys.executable, str(REPO / "scripts" / "patches.py"), "apply", "--target", str(other)]
+    cmd += ["--patches-dir", str(work / "committed" / "patches"), *selectors]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise HarnessError(f"patches.py apply {selectors} failed:\n{proc.stdout}{proc.stderr}")
+    out = work / f"variant-{name}"
+    changed = []
+    for path in sorted((other / "vllm").rglob("*.py")):
+        rel = path.relative_to(other)
+        if not (site / rel).exists() or not filecmp.cmp(path, site / rel, shallow=False):
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, out / rel)
+            changed.append(str(rel))
+    gone = [
+        str(p.relative_to(site)) for p in (site / "vllm").rglob("*.py") if not (other / p.relative_to(site)).exists()
+    ]
+    (out / "GONE").write_text("\n".join(gone))
+    print(f"[prepare] {name} ({' '.join(selectors)}): {len(changed)} files differ, {len(gone)} absent", flush=True)
+    shutil.rmtree(other)
 
 
 def _utc() -> str:
@@ -390,7 +422,7 @@ def cmd_stage(args) -> int:
                 raise HarnessError(f"{so}: sha256 differs from the wheel's")
             print(f"[stage] {so} ({so.stat().st_size / 1e6:.1f} MB) sha256 = the wheel's", flush=True)
         else:
-            for name in ("site.tar.xz", "models.tar.xz"):
+            for name in ["site.tar.xz", "models.tar.xz"] + sorted(p.name for p in folder.glob("variant-*.tar.xz")):
                 target = GPUH / name.split(".")[0]
                 shutil.rmtree(target, ignore_errors=True)
                 with tarfile.open(folder / name, "r:xz") as tar:
@@ -452,22 +484,26 @@ def run_one(cfg: dict, timeout: int, logs: Path, env: dict) -> dict:
     return result
 
 
-# A configuration's "site": the staged tree with some patches reverted (the patch tool writes new
-# inodes, so the hard-linked copy never changes the staged tree).
-REVERTED_SITES = {"site-0001": ["ple-ssd/0002"]}
-
-
 def make_reverted_site(name: str) -> None:
+    """SITE hard-linked, with the files of variant-NAME (prepare: the same wheel tree patched
+    with fewer patches) swapped in as new files."""
     target = GPUH / name
     if target.is_dir():
         return
+    variant = GPUH / f"variant-{name}"
+    if not variant.is_dir():
+        raise HarnessError(f"{variant}: not staged (prepare --suite ple writes variant-{name}.tar.xz)")
     subprocess.run(["cp", "-al", str(GPUH / "site"), str(target)], check=True)
-    cmd = [sys.executable, str(REPO / "scripts" / "patches.py"), "revert", "--target", str(target)]
-    proc = subprocess.run(cmd + REVERTED_SITES[name], capture_output=True, text=True)
-    print(f"[run] {name}: {proc.stdout.strip()} {proc.stderr.strip()}", flush=True)
-    if proc.returncode != 0:
-        shutil.rmtree(target, ignore_errors=True)
-        raise HarnessError(f"patches.py revert for {name} failed ({proc.returncode})")
+    count = 0
+    for path in variant.rglob("*.py"):
+        dest = target / path.relative_to(variant)
+        dest.unlink(missing_ok=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
+        count += 1
+    for rel in filter(None, (variant / "GONE").read_text().splitlines()):
+        (target / rel).unlink(missing_ok=True)
+    print(f"[run] {name}: {count} files swapped in from {variant.name}", flush=True)
 
 
 def cmd_run(args) -> int:
