@@ -286,9 +286,7 @@ def cmd_prepare(args) -> int:
         for w in sorted((dl / "deps").glob("*.whl")):
             unzip_into(w, site)
         print(f"[prepare] {len(deps)} pinned wheels unpacked into the tree (pip checked their hashes)", flush=True)
-        fa2 = site / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.py"
-        fa2.parent.mkdir(parents=True, exist_ok=True)
-        fa2.write_text("# stand-in (gpu harness): FA2 not carried; configurations use TRITON_ATTN\n")
+        write_fa2_stand_in(site)
         # The committed series (HEAD), never uncommitted edits of the working tree.
         archive = subprocess.run(["git", "archive", "HEAD", "patches"], cwd=REPO, capture_output=True, check=True)
         (work / "committed").mkdir()
@@ -352,6 +350,12 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def write_fa2_stand_in(tree: Path) -> None:
+    fa2 = tree / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.py"
+    fa2.parent.mkdir(parents=True, exist_ok=True)
+    fa2.write_text("# stand-in (gpu harness): FA2 not carried; configurations use TRITON_ATTN\n")
+
+
 def _variant_files(wheel: Path, site: Path, work: Path, name: str, selectors: list[str]) -> None:
     """The vllm/ files in which a tree patched with SELECTORS only differs from SITE (the whole
     series), saved under work/variant-NAME; the GPU side hard-links SITE and swaps them in."""
@@ -359,6 +363,7 @@ def _variant_files(wheel: Path, site: Path, work: Path, name: str, selectors: li
 
     other = work / f"tree-{name}"
     unzip_into(wheel, other, WHEEL_EXCLUDE)
+    write_fa2_stand_in(other)
     cmd = [sys.executable, str(REPO / "scripts" / "patches.py"), "apply", "--target", str(other)]
     cmd += ["--patches-dir", str(work / "committed" / "patches"), *selectors]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -376,7 +381,7 @@ def _variant_files(wheel: Path, site: Path, work: Path, name: str, selectors: li
         str(p.relative_to(site)) for p in (site / "vllm").rglob("*.py") if not (other / p.relative_to(site)).exists()
     ]
     (out / "GONE").write_text("\n".join(gone))
-    print(f"[prepare] {name} ({' '.join(selectors)}): {len(changed)} files differ, {len(gone)} absent", flush=True)
+    print(f"[prepare] {name} ({' '.join(selectors)}): differ {changed}, absent {gone}", flush=True)
     shutil.rmtree(other)
 
 
