@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import random
+import shlex
 import sys
 import threading
 import time
@@ -546,7 +547,12 @@ def load_bench():
 def test_staging_benchmark_times_the_server_conditions_on_cpu(tmp_path, capsys):
     """The default suite: old beside new, one torch thread beside free; the H200 command line."""
     bench = load_bench()
-    assert sum(line.startswith("H200: ") for line in bench.__doc__.splitlines()) == 1
+    h200 = [line for line in bench.__doc__.splitlines() if line.startswith("H200: ")]
+    assert len(h200) == 1
+    command = shlex.split(h200[0].removeprefix("H200: ").replace("$OUT", "/out"))
+    assert command[:2] == ["python3", "scripts/ple_ssd/bench_staging.py"]
+    parsed = bench.build_parser().parse_args(command[2:])  # the harness's command line is valid
+    assert parsed.suite == "server" and str(parsed.out).startswith("/out/")
     out = tmp_path / "bench.json"
     argv = ["--dir", str(tmp_path / "table"), "--table-gib", "0.02", "--files", "4", "--tokens", "1,4,2048"]
     argv += ["--warm-iters", "5", "--sweep-rows", "256,4096", "--device", "cpu", "--out", str(out)]
