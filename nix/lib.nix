@@ -238,6 +238,30 @@ rec {
       pythonVars = { };
       description = "Stop a vLLM server (by PID) when available memory falls under a floor";
     };
+    watchdog = {
+      script = "scripts/flash_next/watchdog.py";
+      interpreter = "stdlib-python";
+      gpu = false;
+      hostTools = false;
+      pythonVars = { };
+      description = "Stop (or report) a vLLM server whose engine has stalled, by PID";
+    };
+    ple-warmup = {
+      script = "scripts/flash_next/ple_warmup.py";
+      interpreter = "stdlib-python";
+      gpu = false;
+      hostTools = false;
+      pythonVars = { };
+      description = "Report, warm (within a memory budget) or evict the PLE table's pages in the page cache";
+    };
+    sweep = {
+      script = "scripts/flash_next/sweep.py";
+      interpreter = "stdlib-python";
+      gpu = true;
+      hostTools = true;
+      pythonVars.VLLM_PYTHON = "env";
+      description = "Sweep MTP off / k / pruned over input lengths and concurrency, launching each server";
+    };
     profile-capture = {
       script = "scripts/flash_next/profile_capture.py";
       interpreter = "stdlib-python";
@@ -268,7 +292,7 @@ rec {
       gpu = false;
       hostTools = false;
       pythonVars = { };
-      description = "Apply, check, revert the patch series on any vLLM 0.29.0 installation";
+      description = "Apply, check, revert, rebase the patch series matching a vLLM installation";
     };
   };
 

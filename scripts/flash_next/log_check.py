@@ -19,7 +19,7 @@ reads what the server itself printed and reports, with the line that proves it:
     scripts/flash_next/log_check.py server.log --expect mtp=3 --expect draft_head=pruned --json
 
 `--expect FEATURE=STATE` makes the exit status 1 unless the log shows that state (features:
-mtp, draft_head, ple_mmap, cudagraph_mode, prefix_caching, memguard, startup). The patterns are
+mtp, draft_head, ple_mmap, cudagraph_mode, prefix_caching, memguard, watchdog, startup). The patterns are
 the table PATTERNS below (vLLM 0.29.0's and the patches' own log lines).
 """
 
@@ -78,7 +78,10 @@ PATTERNS = {
     "serve_header": re.compile(r"^# (?P<key>[a-z][a-z -]*): (?P<value>.*)$"),
     "patch_row": re.compile(r"^# patches:\s+(?P<name>\S+\.patch)\s+(?P<state>applied|not applied|conflicting)"),
     "memguard_on": re.compile(r"\[memguard [^\]]*\] guarding server PID (?P<pid>\d+)"),
-    "memguard_stopped": re.compile(r"\[memguard [^\]]*\] (?P<line>MemAvailable .* stopping .*)"),
+    "memguard_stopped": re.compile(r"\[memguard [^\]]*\] (?P<line>.*: stopping .*)"),
+    "watchdog_on": re.compile(r"\[watchdog [^\]]*\] "),
+    "watchdog_stalled": re.compile(r"\[watchdog [^\]]*\] (?P<line>stalled engine: .*)"),
+    "serve_restart": re.compile(r"^# serve\.sh: restart (?P<n>\d+) of (?P<of>\d+)"),
 }
 
 
@@ -192,6 +195,14 @@ def check(lines: list[str]) -> dict:
     features["memguard"] = {
         "state": "stopped the server" if stop_number else ("on" if guard_number else "off"),
         "evidence": evidence(stop_number or guard_number),
+    }
+    watch_number, _ = first("watchdog_on")
+    stall_number, _ = first("watchdog_stalled")
+    restarts = found["serve_restart"]
+    features["watchdog"] = {
+        "state": "found a stalled engine" if stall_number else ("on" if watch_number else "off"),
+        "restarts": len(restarts),
+        "evidence": evidence(stall_number or watch_number),
     }
     complete_number, _ = first("startup_complete")
     features["startup"] = {

@@ -303,6 +303,10 @@ def write_json(path: str, data: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
+        # mkstemp creates the file 0600; a result file is as readable as any other the user writes.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

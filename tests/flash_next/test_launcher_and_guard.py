@@ -478,6 +478,11 @@ def test_tools_show_help_without_a_server():
         "trace_split.py",
         "log_check.py",
         "report.py",
+        "sweep.py",
+        "cluster.py",
+        "watchdog.py",
+        "ple_warmup.py",
+        "launch.py",
     ):
         proc = run_tool(tool, "--help", timeout=60)
         assert proc.returncode == 0 and "usage:" in proc.stdout, tool
@@ -544,6 +549,9 @@ def test_memguard_stops_its_server_on_a_driver_out_of_memory_line(tmp_path, sour
         text = guard_log.read_text()
         assert f"driver error in {'server log ' + str(server_log) if source == 'server' else 'kernel log'}" in text
         assert line[:40] in text and f"stopping process group {server.pid}" in text
+        # log_check reads the guard's stop line back, whatever the signal was (not only MemAvailable).
+        check = run_tool("log_check.py", str(guard_log), "--expect", "memguard=stopped the server", timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
     finally:
         for proc in (server, sibling):
             proc.kill()

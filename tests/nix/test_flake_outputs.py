@@ -20,6 +20,9 @@ APPS = {
     "build-keepset",
     "count-tokens",
     "memguard",
+    "watchdog",
+    "ple-warmup",
+    "sweep",
     "profile-capture",
     "trace-split",
     "report",
@@ -122,8 +125,9 @@ def test_apps_point_at_their_wrappers(system):
 
 def test_app_wrappers_run_on_their_listed_tools_only():
     wrappers = flake_eval('builtins.mapAttrs (_: w: w.inheritPath) (scope "aarch64-linux").apps')
-    # serve-flash-next and memguard call the host driver's nvidia-smi, after their own tools.
-    assert wrappers == {name: name in {"serve-flash-next", "memguard"} for name in APPS}
+    # serve-flash-next, sweep (which launches it) and memguard call the host driver's nvidia-smi,
+    # after their own tools.
+    assert wrappers == {name: name in {"serve-flash-next", "sweep", "memguard"} for name in APPS}
 
 
 def test_default_environment_leaves_flashinfer_aot_out_and_the_opt_in_has_it():

@@ -152,6 +152,9 @@ EXPECTED_APPS = {
     "build-keepset": "scripts/mtp_pruning/build_keepset.py",
     "count-tokens": "scripts/mtp_pruning/count_tokens.py",
     "memguard": "scripts/flash_next/memguard.py",
+    "watchdog": "scripts/flash_next/watchdog.py",
+    "ple-warmup": "scripts/flash_next/ple_warmup.py",
+    "sweep": "scripts/flash_next/sweep.py",
     "profile-capture": "scripts/flash_next/profile_capture.py",
     "trace-split": "scripts/flash_next/trace_split.py",
     "report": "scripts/flash_next/report.py",
@@ -162,7 +165,7 @@ EXPECTED_APPS = {
 def test_app_table_names_each_script():
     table = nix_eval("lib.appTable")
     assert {name: app["script"] for name, app in table.items()} == EXPECTED_APPS
-    assert {name for name, app in table.items() if app["gpu"]} == {"serve-flash-next"}
+    assert {name for name, app in table.items() if app["gpu"]} == {"serve-flash-next", "sweep"}
 
 
 def test_apps_output_points_at_each_wrappers_main_program():
