@@ -259,7 +259,7 @@ def cmd_prepare(args) -> int:
     print(f"[prepare] patches as committed at HEAD {state['commit'][:12]}; last patch commit {state['patches_commit']}")
     if state["patches_uncommitted_edits_left_out"]:
         print("[prepare] note: patches/ has uncommitted edits in the working tree; they are NOT carried", flush=True)
-    work = dest / "work"
+    work = dest / f"work-{os.getpid()}"  # one per run: two prepares never share a work tree
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     parts = args.parts.split(",")

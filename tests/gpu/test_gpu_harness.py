@@ -169,3 +169,25 @@ def test_one_configuration_runs_through_the_harness_on_the_cpu(cpu_setup, monkey
     rows = 4000 if keep == "cover" else models.MISS_RANGE[1] - models.MISS_RANGE[0]
     assert any(f"has {rows} rows" in line for line in result["proof"]["mtp_pruning"])
     assert result["llm_kwargs"]["speculative_config"]["draft_vocab_path"].endswith(f"{keep}.npy")
+
+
+def test_a_variant_tree_swaps_files_without_touching_the_staged_one(tmp_path, monkeypatch):
+    site = tmp_path / "site" / "vllm"
+    site.mkdir(parents=True)
+    (site / "same.py").write_text("same\n")
+    (site / "patched.py").write_text("series\n")
+    (site / "only_in_series.py").write_text("0002 adds me\n")
+    variant = tmp_path / "variant-site-0001" / "vllm"
+    variant.mkdir(parents=True)
+    (variant / "patched.py").write_text("0001 alone\n")
+    (tmp_path / "variant-site-0001" / "GONE").write_text("vllm/only_in_series.py\n")
+    monkeypatch.setattr(harness, "GPUH", tmp_path)
+    harness.make_reverted_site("site-0001")
+    out = tmp_path / "site-0001" / "vllm"
+    assert (out / "patched.py").read_text() == "0001 alone\n"
+    assert not (out / "only_in_series.py").exists()
+    assert (out / "same.py").stat().st_ino == (site / "same.py").stat().st_ino  # hard link
+    assert (site / "patched.py").read_text() == "series\n"  # the staged tree is untouched
+    assert (site / "only_in_series.py").exists()
+    with pytest.raises(harness.HarnessError, match="not staged"):
+        harness.make_reverted_site("site-other")
