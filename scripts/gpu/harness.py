@@ -39,9 +39,10 @@ ple suite (prepare --suite ple; the site folder then carries the Qwen4Exp spec):
 Time: the first vLLM process on a fresh machine takes ~2.5 min (148 s seen for the tiny
 Qwen3.5 at FULL_DECODE_ONLY: Triton JIT and autotuning of the linear-attention kernels; the
 first compiled FULL_AND_PIECEWISE one then 134 s more for torch.compile); later processes
-20-35 s (caches in /tmp/gpuh). Measured on 2026-12-01: the mtp suite's 9 configurations took
-7.6 min of work; a session (start, transfers, calls) ~11 min of H200 time; both suites fit in
-30 min with margin only if nothing is rerun.
+20-35 s (caches in /tmp/gpuh); a Qwen4Exp process 65-130 s (new Triton kernels). Measured on
+2026-12-01: the mtp suite's 9 configurations took 7.6 min of work, a session ~10 min of H200
+time; the ple suite's first 3 configurations 6.4 min, that session 9.5 min with the
+draft-head bench. Both fit in 30 min only if nothing is rerun: plan the calls first.
 
 Results: $OUT/results.json holds, per configuration, the engine's settings as vLLM resolved
 them (runner, cudagraph mode, compile mode), the counts of vLLM's own per-step CUDA-graph
