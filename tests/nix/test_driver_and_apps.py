@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from nixeval import REPO, nix_eval, shellcheck
+from nixeval import EXPECTED_APPS, REPO, nix_eval, shellcheck
 
 DRIVER_SCRIPT = REPO / "scripts" / "nix" / "nvidia-driver-libs.sh"
 MACHINE = platform.machine()
@@ -166,20 +166,7 @@ def write_wrapper(tmp_path: Path, name: str, src: Path, gpu_env: bool = True) ->
     return path
 
 
-APPS = [
-    "serve-flash-next",
-    "bench-suite",
-    "build-keepset",
-    "count-tokens",
-    "memguard",
-    "watchdog",
-    "ple-warmup",
-    "sweep",
-    "profile-capture",
-    "trace-split",
-    "report",
-    "patches",
-]
+APPS = list(EXPECTED_APPS)
 
 
 @pytest.mark.parametrize("name", APPS)

@@ -10,24 +10,11 @@ checked is the structure and the arguments the flake hands them, not a build.
 from __future__ import annotations
 
 import pytest
-from nixeval import REPO, NixError, nix_eval
+from nixeval import EXPECTED_APPS, REPO, NixError, nix_eval
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 STAND_IN = REPO / "tests" / "nix" / "nixpkgs-stand-in"
-APPS = {
-    "serve-flash-next",
-    "bench-suite",
-    "build-keepset",
-    "count-tokens",
-    "memguard",
-    "watchdog",
-    "ple-warmup",
-    "sweep",
-    "profile-capture",
-    "trace-split",
-    "report",
-    "patches",
-}
+APPS = set(EXPECTED_APPS)
 PACKAGES = {
     "default",
     "vllm-env",

@@ -8,7 +8,7 @@ import os
 import subprocess
 
 import pytest
-from nixeval import REPO, NixError, nix_eval, nix_instantiate
+from nixeval import EXPECTED_APPS, REPO, NixError, nix_eval, nix_instantiate
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 
@@ -144,22 +144,6 @@ def test_cuda_capabilities():
     assert defaults == {"aarch64-linux": ["12.1"], "x86_64-linux": ["9.0", "10.0", "12.0"]}
     with pytest.raises(NixError, match="CUDA capability `sm_121` is not MAJOR.MINOR"):
         nix_eval('lib.flashinferArchList [ "sm_121" ]')
-
-
-EXPECTED_APPS = {
-    "serve-flash-next": "scripts/flash_next/serve.sh",
-    "bench-suite": "scripts/flash_next/run_suite.sh",
-    "build-keepset": "scripts/mtp_pruning/build_keepset.py",
-    "count-tokens": "scripts/mtp_pruning/count_tokens.py",
-    "memguard": "scripts/flash_next/memguard.py",
-    "watchdog": "scripts/flash_next/watchdog.py",
-    "ple-warmup": "scripts/flash_next/ple_warmup.py",
-    "sweep": "scripts/flash_next/sweep.py",
-    "profile-capture": "scripts/flash_next/profile_capture.py",
-    "trace-split": "scripts/flash_next/trace_split.py",
-    "report": "scripts/flash_next/report.py",
-    "patches": "scripts/patches.py",
-}
 
 
 def test_app_table_names_each_script():
