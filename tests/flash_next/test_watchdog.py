@@ -35,7 +35,10 @@ def engine_core_pid(server: VllmServer) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_mtp_model):
     log = tmp_path_factory.mktemp("watchdog") / "server.log"
-    server = VllmServer(tiny_mtp_model, ["--no-enable-prefix-caching"], env=vllm_env(), log_path=log)
+    # The longest context the tiny model allows, so that one request outlasts the test's pauses.
+    server = VllmServer(
+        tiny_mtp_model, ["--no-enable-prefix-caching"], env=vllm_env(), log_path=log, max_model_len=4096
+    )
     server.start()
     yield server
     for pid in group_members(server.pid):
@@ -46,6 +49,9 @@ def server(tmp_path_factory, tiny_mtp_model):
     server.stop()
 
 
+LONG_TOKENS = 4000  # a few seconds of decoding on an idle CPU: longer than the pauses below
+
+
 def running(server: VllmServer) -> float:
     return sum(metric_values(server.get("/metrics"), "vllm:num_requests_running").values())
 
@@ -53,7 +59,7 @@ def running(server: VllmServer) -> float:
 def long_request(server: VllmServer, result: dict) -> threading.Thread:
     def run():
         try:
-            body = {"model": "tiny", "prompt": "5 6 7", "max_tokens": 1800, "ignore_eos": True, "temperature": 0}
+            body = {"model": "tiny", "prompt": "5 6 7", "max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
             result["response"] = server.post("/v1/completions", body, timeout=600)
         except Exception as e:  # noqa: BLE001 - reported by the test
             result["error"] = e
@@ -88,15 +94,17 @@ def test_watchdog_reports_a_frozen_generation_counter_while_health_stays_green(s
     engine = engine_core_pid(server)
     log = tmp_path / "watchdog.log"
     result: dict = {}
-    thread = long_request(server, result)
     watchdog = start_watchdog(server, log, "--stall-after", "4", "--on-stall", "report")
     try:
         wait_for(log, "server healthy; watching its counters", 30)
+        # The request starts once the watchdog watches, so that all of its decoding time is left
+        # for the pauses below (a fast machine decodes it in seconds).
+        thread = long_request(server, result)
         # A pause shorter than --stall-after is not a stall.
         os.kill(engine, signal.SIGSTOP)
         time.sleep(2)
         os.kill(engine, signal.SIGCONT)
-        time.sleep(2)
+        time.sleep(1)
         assert "stalled engine" not in log.read_text()
         assert running(server) >= 1, "the request should still be running (make max_tokens larger)"
 
@@ -111,7 +119,7 @@ def test_watchdog_reports_a_frozen_generation_counter_while_health_stays_green(s
         os.kill(engine, signal.SIGCONT)
         wait_for(log, "engine moving again", 30)
         thread.join(timeout=300)
-        assert "error" not in result and result["response"]["usage"]["completion_tokens"] == 1800
+        assert "error" not in result and result["response"]["usage"]["completion_tokens"] == LONG_TOKENS
         print(f"stall detected {detected_s:.1f} s after SIGSTOP with --stall-after 4 --interval 0.5")
     finally:
         os.kill(engine, signal.SIGCONT)
