@@ -76,19 +76,23 @@ stop_server() {
 trap stop_server EXIT
 
 # measure NAME LABEL EXPECT [VAR=VALUE...]: serve the tiny model with these serve.sh settings,
-# run the suite against it (and, with PROFILE=1 among the settings, capture profiles), stop it.
+# run the suite against it (and, with TRACE=1 among them, capture profiler traces), stop it.
+# TRACE is the demo's own switch, not passed on (serve.sh's PROFILE names a serving profile).
 measure() {
   local name=$1 label=$2 expect=$3
   shift 3
-  local port log="$workdir/$name.log" traces="$workdir/traces-$name" profile_args=()
-  if [[ " $* " == *" PROFILE=1 "* ]]; then
+  local port log="$workdir/$name.log" traces="$workdir/traces-$name" profile_args=() settings=() trace=0
+  for setting in "$@"; do
+    if [ "$setting" = TRACE=1 ]; then trace=1; else settings+=("$setting"); fi
+  done
+  if [ "$trace" = 1 ]; then
     mkdir -p "$traces"
     # No profiler summary table: building it takes longer than writing the trace.
     profile_args=(--profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$traces\", \"torch_profiler_dump_cuda_time_total\": false}")
   fi
   port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   say "serve: $label (log $log)"
-  env "$@" MODEL="$model" VLLM_PYTHON="$python" PYTHONPATH="$overlay" PORT="$port" PLE=0 MAX_MODEL_LEN=2048 \
+  env "${settings[@]}" MODEL="$model" VLLM_PYTHON="$python" PYTHONPATH="$overlay" PORT="$port" PLE=0 MAX_MODEL_LEN=2048 \
     "$tools/serve.sh" "$log" --served-model-name tiny --no-enable-prefix-caching "${profile_args[@]}" &
   serve_pid=$!
   local waited=0
@@ -122,7 +126,7 @@ measure() {
 say "4. Serve and measure: MTP off"
 measure mtp-off "MTP off" "mtp=off" MTP=0
 say "5. Serve and measure: MTP k=3, full draft head"
-measure mtp3 "MTP k=3" "mtp=3 draft_head=full" MTP=3 PROFILE=1
+measure mtp3 "MTP k=3" "mtp=3 draft_head=full" MTP=3 TRACE=1
 
 runs=("$workdir/results/mtp-off" "$workdir/results/mtp3")
 skipped=()
