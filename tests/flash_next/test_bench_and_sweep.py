@@ -158,13 +158,16 @@ def test_bench_agrees_with_the_real_vllm_bench_serve_cli(server, prompts, tmp_pa
     # a front-end that falls behind merges several steps' outputs into one chunk, more so on a
     # loaded machine, so only the bound is the same for both clients.
     for counts in ([len(x) for x in theirs["itls"]], [len(r["itl_s"]) for r in ours["records"]]):
-        assert all(1 <= n <= 13 for n in counts), counts
+        assert all(0 <= n <= 13 for n in counts), counts
     assert theirs["spec_decode_acceptance_length"] == pytest.approx(s["spec_decode"]["acceptance_length"]) == 4.0
-    # Two runs on a shared 2-core machine: the same definitions give figures of one size. Not ITL:
-    # a client that reads several chunks in one go (theirs as well as ours, on a loaded machine)
-    # stamps them microseconds apart, so ITL percentiles collapse there (seen: vLLM's median ITL
-    # 0.03 ms beside our 7.9 ms); E2E latency and TPOT, spanning the whole reply, do not.
-    for name in ("tpot", "ttft", "e2el"):
+    # Two runs on a shared 2-core machine: the same definitions give figures of one size. Only
+    # E2E latency: a client that reads several chunks in one go (theirs as well as ours, on a
+    # loaded machine) stamps them microseconds apart, so ITL percentiles collapse (seen: vLLM's
+    # median ITL 0.03 ms beside our 7.9 ms), and when most of a reply arrives in one read, TPOT
+    # and TTFT do too (seen in a clean-clone CI run: vLLM's median TPOT 0.0016 ms beside our
+    # 0.90 ms). The definitions themselves are checked against vLLM's calculate_metrics on the
+    # same timings (test_bench_figures_equal_vllm_calculate_metrics_on_the_same_timings).
+    for name in ("e2el",):
         ratio = s[f"{name}_ms"]["median"] / theirs[f"median_{name}_ms"]
         assert 1 / 3 < ratio < 3, (name, s[f"{name}_ms"]["median"], theirs[f"median_{name}_ms"])
     assert theirs["mean_itl_ms"] >= 0 and s["itl_ms"]["mean"] > 0
