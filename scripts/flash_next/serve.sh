@@ -37,13 +37,14 @@
 #   JIT_CHECK=auto          require ninja + nvcc for FlashInfer's JIT: auto (when an NVIDIA GPU is visible), 1, 0
 #   WORKDIR=                the server's working directory (default: a new empty one, removed if still empty)
 #   PID_FILE=LOG.pid        holds the server's PID (it leads its own process group)
+#   STOP_GRACE=30           seconds a stopping server gets after SIGTERM before its group gets SIGKILL
 #   OVERWRITE=0             1 = replace an existing LOG
 #
 # Extra arguments go to `vllm serve` last, so they override the profile and the variables above.
 # Two GB10s, tensor parallel over Ray: docs/flash-next.md has the recipe.
 #
 # serve.sh stays in the foreground until the server exits and returns its exit status; SIGINT or
-# SIGTERM stops the server's process group. The top of LOG records the exact command, the profile,
+# SIGTERM stops the server's process group (SIGKILL after STOP_GRACE seconds if it is still there). The top of LOG records the exact command, the profile,
 # the environment, the versions and the patch status; scripts/flash_next/log_check.py reads them.
 # The logic lives in launch.py (plan, exec), memguard.py and watchdog.py; this script wires them.
 set -euo pipefail
@@ -83,11 +84,13 @@ WATCHDOG=${WATCHDOG:-stop}
 WATCHDOG_RESTARTS=${WATCHDOG_RESTARTS:-3}
 WATCHDOG_ARGS=${WATCHDOG_ARGS:-}
 PID_FILE=${PID_FILE:-$log.pid}
+STOP_GRACE=${STOP_GRACE:-30}
 
 [[ $PORT =~ ^[0-9]+$ ]] || die "PORT=$PORT: expected a port number"
 [[ $MEMGUARD =~ ^[01]$ ]] || die "MEMGUARD=$MEMGUARD: expected 1 or 0"
 [[ $WATCHDOG =~ ^(stop|restart|report|0)$ ]] || die "WATCHDOG=$WATCHDOG: expected stop, restart, report or 0"
 [[ $WATCHDOG_RESTARTS =~ ^[0-9]+$ ]] || die "WATCHDOG_RESTARTS=$WATCHDOG_RESTARTS: expected a number"
+[[ $STOP_GRACE =~ ^[0-9]+$ ]] || die "STOP_GRACE=$STOP_GRACE: expected a number of seconds"
 read -r -a memguard_args <<<"$MEMGUARD_ARGS"
 read -r -a watchdog_args <<<"$WATCHDOG_ARGS"
 
@@ -120,10 +123,24 @@ workdir=$(PATCH_TOOL=$patch_tool "$python" "$here/launch.py" plan --log "$log" -
 plan="$log.launch.json"
 
 server_pid=
+killer_pid=
 # shellcheck disable=SC2317,SC2329  # called by the trap only
 stop_server() {
   WATCHDOG_RESTARTS=0
-  [ -n "$server_pid" ] && kill -TERM -- "-$server_pid" 2>/dev/null
+  [ -n "$server_pid" ] || return 0
+  kill -TERM -- "-$server_pid" 2>/dev/null || return 0
+  # vLLM can hang in its own shutdown (seen when a stop came while the engine was starting):
+  # a stop must end, so the group gets SIGKILL once the grace time has passed.
+  if [ -z "$killer_pid" ]; then
+    (
+      sleep "$STOP_GRACE"
+      if kill -0 -- "-$server_pid" 2>/dev/null; then
+        echo "# serve.sh: the server was still running ${STOP_GRACE} s after SIGTERM; SIGKILL to its group, $(date -Is)" >>"$log"
+        kill -KILL -- "-$server_pid" 2>/dev/null || true
+      fi
+    ) &
+    killer_pid=$!
+  fi
   return 0
 }
 trap stop_server INT TERM
@@ -179,6 +196,7 @@ while :; do
   fi
   break
 done
+[ -z "$killer_pid" ] || kill "$killer_pid" 2>/dev/null || true
 if [ "$(cat "$PID_FILE" 2>/dev/null)" = "$server_pid" ]; then
   rm -f "$PID_FILE"
 fi
