@@ -48,7 +48,7 @@ writeShellApplication {
   ];
   text = magpieLib.wrapperText {
     inherit name;
-    src = "${source.scripts}";
+    src = "${source.tools}";
     envPython = "${env}/bin/python";
     stdlibPython = python.interpreter;
     driverLibs = lib.getExe nvidiaDriverLibs;

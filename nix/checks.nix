@@ -84,11 +84,11 @@ in
   patch-series = runCommand "magpie-patch-series" { nativeBuildInputs = [ python ]; } ''
     tar -xzf ${vllmSource}
     cd vllm-${vllm.version}
-    python3 ${src}/scripts/patches.py status --target . --patches-dir ${src}/patches
+    python3 ${src}/magpie/patches.py status --target . --patches-dir ${src}/patches
     ${lib.concatMapStrings (patch: ''
       patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -i ${patch}
     '') seriesFiles}
-    python3 ${src}/scripts/patches.py status --require-applied --target . --patches-dir ${src}/patches
+    python3 ${src}/magpie/patches.py status --require-applied --target . --patches-dir ${src}/patches
     touch "$out"
   '';
 

@@ -12,6 +12,6 @@ writeShellApplication {
     coreutils
     findutils
   ];
-  text = builtins.readFile ../scripts/nix/nvidia-driver-libs.sh;
-  passthru.script = "${source.scripts}/scripts/nix/nvidia-driver-libs.sh";
+  text = builtins.readFile ../magpie/nix/nvidia-driver-libs.sh;
+  passthru.script = "${source.tools}/magpie/nix/nvidia-driver-libs.sh";
 }

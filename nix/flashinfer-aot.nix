@@ -63,7 +63,7 @@ python.pkgs.toPythonModule (
         jobs=${toString flashinferAotMaxJobs}
       fi
       export MAX_JOBS=$jobs
-      ${buildPython.interpreter} ${source.scripts}/scripts/nix/flashinfer_aot.py \
+      ${buildPython.interpreter} ${source.tools}/magpie/nix/flashinfer_aot.py \
         --build-dir "$PWD/build" --out-dir "$PWD/kernels" --preset moe
       runHook postBuild
     '';

@@ -47,7 +47,7 @@ rec {
   # ---------------------------------------------------------------------------------------
   # The patch series
 
-  # The entries of `patches/series`, in apply order. Same rules as scripts/patches.py: `#`
+  # The entries of `patches/series`, in apply order. Same rules as magpie/patches.py: `#`
   # starts a comment anywhere on a line, surrounding white space is dropped, blank lines skipped.
   parseSeries =
     text:
@@ -61,7 +61,7 @@ rec {
       ) (lines text)
     );
 
-  # The optimization folder of a series entry ("ple-ssd/0001-x.patch" -> "ple-ssd").
+  # The optimization folder of a series entry ("ple_ssd/0001-x.patch" -> "ple_ssd").
   seriesOptimization =
     entry:
     let
@@ -88,7 +88,7 @@ rec {
     ) (parseSeries (readFile (patchesDir + "/series")));
 
   # ---------------------------------------------------------------------------------------
-  # Wheel pins (nix/pins/<system>.json, written by scripts/nix/pin_wheels.py)
+  # Wheel pins (nix/pins/<system>.json, written by magpie/nix/pin_wheels.py)
 
   readPins =
     pinsDir: system:
@@ -195,11 +195,13 @@ rec {
   #   hostTools: the script calls the host driver's own tools (nvidia-smi: GB10 detection, GPU
   #     memory), which no Nix package provides; the wrapper keeps the host's PATH after the
   #     tools it lists. Every other app runs on its listed tools only.
+  #   tool: for a Python script, its name in the package's entry point (`python3 magpie TOOL`,
+  #     magpie.TOOLS): the script's own imports need the package, so it never runs by path.
   #   pythonVars: variables naming the Python the script runs its tools with, set if unset
   #     ("env" or "stdlib"): serve.sh reads VLLM_PYTHON, run_suite.sh PYTHON.
   appTable = {
     serve-flash-next = {
-      script = "scripts/flash_next/serve.sh";
+      script = "magpie/serving/serve.sh";
       interpreter = "bash";
       gpu = true;
       hostTools = true;
@@ -207,7 +209,7 @@ rec {
       description = "Serve Qwen3.8-Flash-Next with the patched vLLM (LOG [extra vLLM arguments])";
     };
     bench-suite = {
-      script = "scripts/flash_next/run_suite.sh";
+      script = "magpie/measure/run_suite.sh";
       interpreter = "bash";
       gpu = false;
       hostTools = false;
@@ -215,7 +217,8 @@ rec {
       description = "Run the Flash-Next measurement suite (decode bench, GSM8K, metrics) against a server";
     };
     build-keepset = {
-      script = "scripts/mtp_pruning/build_keepset.py";
+      script = "magpie/mtp_pruning/build_keepset.py";
+      tool = "build-keepset";
       interpreter = "env-python";
       gpu = false;
       hostTools = false;
@@ -223,7 +226,8 @@ rec {
       description = "Build a draft-vocabulary keep-set for MTP draft-head pruning from token counts";
     };
     count-tokens = {
-      script = "scripts/mtp_pruning/count_tokens.py";
+      script = "magpie/mtp_pruning/count_tokens.py";
+      tool = "count-tokens";
       interpreter = "env-python";
       gpu = false;
       hostTools = false;
@@ -231,7 +235,8 @@ rec {
       description = "Count the token ids of a corpus for keep-set building";
     };
     memguard = {
-      script = "scripts/flash_next/memguard.py";
+      script = "magpie/serving/memguard.py";
+      tool = "memguard";
       interpreter = "stdlib-python";
       gpu = false;
       hostTools = true;
@@ -239,7 +244,8 @@ rec {
       description = "Stop a vLLM server (by PID) when available memory falls under a floor";
     };
     watchdog = {
-      script = "scripts/flash_next/watchdog.py";
+      script = "magpie/serving/watchdog.py";
+      tool = "watchdog";
       interpreter = "stdlib-python";
       gpu = false;
       hostTools = false;
@@ -247,7 +253,8 @@ rec {
       description = "Stop (or report) a vLLM server whose engine has stalled, by PID";
     };
     ple-warmup = {
-      script = "scripts/flash_next/ple_warmup.py";
+      script = "magpie/serving/ple_warmup.py";
+      tool = "ple-warmup";
       interpreter = "stdlib-python";
       gpu = false;
       hostTools = false;
@@ -255,7 +262,8 @@ rec {
       description = "Report, warm (within a memory budget) or evict the PLE table's pages in the page cache";
     };
     sweep = {
-      script = "scripts/flash_next/sweep.py";
+      script = "magpie/measure/sweep.py";
+      tool = "sweep";
       interpreter = "stdlib-python";
       gpu = true;
       hostTools = true;
@@ -263,7 +271,8 @@ rec {
       description = "Sweep MTP off / k / pruned over input lengths and concurrency, launching each server";
     };
     profile-capture = {
-      script = "scripts/flash_next/profile_capture.py";
+      script = "magpie/measure/profile_capture.py";
+      tool = "profile-capture";
       interpreter = "stdlib-python";
       gpu = false;
       hostTools = false;
@@ -271,7 +280,8 @@ rec {
       description = "Capture a torch profiler trace from a running vLLM server";
     };
     trace-split = {
-      script = "scripts/flash_next/trace_split.py";
+      script = "magpie/measure/trace_split.py";
+      tool = "trace-split";
       interpreter = "stdlib-python";
       gpu = false;
       hostTools = false;
@@ -279,7 +289,8 @@ rec {
       description = "Split a profiler trace into per-step GPU time by role";
     };
     report = {
-      script = "scripts/flash_next/report.py";
+      script = "magpie/measure/report.py";
+      tool = "report";
       interpreter = "stdlib-python";
       gpu = false;
       hostTools = false;
@@ -287,7 +298,8 @@ rec {
       description = "Render benchmark results as a report";
     };
     patches = {
-      script = "scripts/patches.py";
+      script = "magpie/patches.py";
+      tool = "patches";
       interpreter = "stdlib-python";
       gpu = false;
       hostTools = false;
@@ -300,7 +312,7 @@ rec {
   # pipefail`). All inputs are strings so tests can instantiate it with local paths:
   #   src: the repository source; envPython: the patched environment's Python; stdlibPython:
   #   a plain CPython; driverLibs: the host-driver discovery program
-  #   (scripts/nix/nvidia-driver-libs.sh); gpuEnv: extra lines for GPU apps (gpuEnvText).
+  #   (magpie/nix/nvidia-driver-libs.sh); gpuEnv: extra lines for GPU apps (gpuEnvText).
   wrapperText =
     {
       name,
@@ -322,9 +334,9 @@ rec {
         if app.interpreter == "bash" then
           ''exec bash "${script}" "$@"''
         else if app.interpreter == "env-python" then
-          ''exec "${envPython}" "${script}" "$@"''
+          ''exec "${envPython}" "${src}/magpie" ${app.tool} "$@"''
         else if app.interpreter == "stdlib-python" then
-          ''exec "${stdlibPython}" "${script}" "$@"''
+          ''exec "${stdlibPython}" "${src}/magpie" ${app.tool} "$@"''
         else
           throw "app ${name}: unknown interpreter ${app.interpreter}";
       pythonLines = concatStringsSep "" (

@@ -15,7 +15,7 @@ in
 lib.makeScope newScope (self: {
   inherit python magpieLib;
 
-  # nix/pins/<system>.json, written by scripts/nix/pin_wheels.py.
+  # nix/pins/<system>.json, written by magpie/nix/pin_wheels.py.
   pins = self.magpieLib.readPins ./pins stdenv.hostPlatform.system;
   registryFileBases = self.magpieLib.registryFileBases fetchurlMirrors;
 

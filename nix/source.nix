@@ -10,15 +10,15 @@ in
     inherit root;
     fileset = fs.unions [
       ../patches
-      ../scripts/patches.py
+      ../magpie/patches.py
     ];
   };
 
-  # Everything the apps run (scripts/*) plus the series the `patches` app reads.
-  scripts = fs.toSource {
+  # The tools package the apps run (magpie/) plus the series the `patches` app reads.
+  tools = fs.toSource {
     inherit root;
     fileset = fs.unions [
-      ../scripts
+      ../magpie
       ../patches
     ];
   };
@@ -33,6 +33,7 @@ in
       ../nix
       ../patches
       ../pyproject.toml
+      ../magpie
       ../requirements
       ../scripts
       ../tests

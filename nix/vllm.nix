@@ -31,7 +31,7 @@ let
   seriesFiles = magpieLib.seriesPatches checkedSeries;
   # The project's tool reads the series folder of the release it finds (patches/vllm-<release>).
   checkSeries = target: ''
-    ${python.pythonOnBuildForHost.interpreter} ${source.patches}/scripts/patches.py status \
+    ${python.pythonOnBuildForHost.interpreter} ${source.patches}/magpie/patches.py status \
       --require-applied --target "${target}" --patches-dir ${source.patches}/patches
   '';
 in
@@ -53,7 +53,7 @@ python.pkgs.buildPythonPackage {
 
   # The wheel holds the same Python files as vLLM's source tree, rooted at the folder that
   # holds `vllm/`, which is how the patches are written (a/vllm/..., b/vllm/...). Hunks must
-  # match exactly; an offset is accepted, fuzz is not (the same rule as scripts/patches.py).
+  # match exactly; an offset is accepted, fuzz is not (the same rule as magpie/patches.py).
   # preInstall always runs (install checks may be off): the series check cannot be skipped.
   preInstall = ''
     wheel=$(echo dist/*.whl)

@@ -52,7 +52,7 @@ python.pkgs.toPythonModule (
       patchelf
     ];
 
-    # Measured with scripts/nix/wheel_libs.py on the pinned wheels: besides glibc, the
+    # Measured with magpie/nix/wheel_libs.py on the pinned wheels: besides glibc, the
     # closure's native code needs only libstdc++, libgcc_s and libgomp from outside it.
     buildInputs = [ stdenv.cc.cc.lib ];
 

@@ -9,20 +9,20 @@
 #
 # Steps: set up the pinned vLLM 0.29.0 (CPU build); apply the patch series into an overlay (the
 # venv itself stays stock); build a tiny Qwen3.5 + MTP model and tokenizer locally; then, each
-# through scripts/flash_next/serve.sh on 127.0.0.1 and measured by run_suite.sh (decode bench at
+# through magpie/serving/serve.sh on 127.0.0.1 and measured by run_suite.sh (decode bench at
 # c=1 and c=4, GSM8K on the fixture problems): MTP off, MTP k=3, and MTP k=3 with the draft head
-# pruned to a keep-set fitted from the model's own generations (scripts/mtp_pruning/); the MTP k=3
+# pruned to a keep-set fitted from the model's own generations (magpie/mtp_pruning/); the MTP k=3
 # server also runs with the torch profiler, and profile_capture.py + trace_split.py show where its
 # steps' time goes. Last, the report and a side-by-side table: tok/s, acceptance, and whether
 # the outputs are identical.
 #
 # The tiny model is built so that greedy decoding continues "next id = previous id + 1" and its
 # MTP block drafts exactly that; its figures show the tools work, not how fast Flash-Next is.
-# On a GPU box the same tools serve Flash-Next: MODEL=... scripts/flash_next/serve.sh LOG.
+# On a GPU box the same tools serve Flash-Next: MODEL=... magpie/serving/serve.sh LOG.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-tools="$root/scripts/flash_next"
+serving="$root/magpie/serving"
 workdir=${1:-$root/.cache/demo/$(date +%Y%m%d-%H%M%S)}
 venv=${VENV:-$root/.venv}
 python="$venv/bin/python"
@@ -40,27 +40,16 @@ report=${REPORT:-$workdir/flash-next-report.html}
 
 say "1. The pinned environment (vLLM 0.29.0, CPU build) in $venv"
 VENV=$venv "$root/tests/env/setup.sh"
-"$python" "$root/scripts/patches.py" status --python "$python"
+"$python" "$root/magpie" patches status --python "$python"
 
 say "2. The patch series, applied into an overlay of the installed vLLM (the venv stays stock)"
 overlay="$workdir/patched-vllm"
-"$python" - "$root" "$overlay" <<'PY'
-import sys
-sys.path.insert(0, sys.argv[1] + "/tests")
-from vllm_overlay import make_overlay
-make_overlay(sys.argv[2])
-PY
-"$python" "$root/scripts/patches.py" status --target "$overlay"
+"$python" "$root/magpie" demo-overlay "$overlay" >/dev/null
+"$python" "$root/magpie" patches status --target "$overlay"
 
 say "3. A tiny Qwen3.5 + MTP model and its tokenizer, built here (nothing is downloaded)"
 model="$workdir/tiny-qwen35-mtp"
-"$python" - "$root" "$workdir/tokenizer" "$model" <<'PY'
-import sys
-sys.path.insert(0, sys.argv[1] + "/tests")
-from tiny_models import build_tiny_qwen35, train_tokenizer
-tokenizer = train_tokenizer(sys.argv[2])
-print("model:", build_tiny_qwen35(sys.argv[3], tokenizer, variant="increment"))
-PY
+"$python" "$root/magpie" demo-model "$workdir/tokenizer" "$model"
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
@@ -93,7 +82,7 @@ measure() {
   port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   say "serve: $label (log $log)"
   env "${settings[@]}" MODEL="$model" VLLM_PYTHON="$python" PYTHONPATH="$overlay" PORT="$port" PLE=0 MAX_MODEL_LEN=2048 \
-    "$tools/serve.sh" "$log" --served-model-name tiny --no-enable-prefix-caching "${profile_args[@]}" &
+    "$serving/serve.sh" "$log" --served-model-name tiny --no-enable-prefix-caching "${profile_args[@]}" &
   serve_pid=$!
   local waited=0
   until "$python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=5)' \
@@ -112,13 +101,13 @@ measure() {
   done
   echo "ready after ${waited} s"
   URL="http://127.0.0.1:$port" LABEL="$label" SERVER_LOG="$log" EXPECT="$expect" N_C1=4 N_C4=16 MAX_TOKENS=256 \
-    BENCH_ARGS=--ignore-eos GSM8K="$root/tests/flash_next/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
-    PYTHON="$python" "$tools/run_suite.sh" "$workdir/results/$name"
+    BENCH_ARGS=--ignore-eos GSM8K="$root/tests/serving/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
+    PYTHON="$python" "$root/magpie/measure/run_suite.sh" "$workdir/results/$name"
   if [ ${#profile_args[@]} -gt 0 ]; then
     say "profile: decode c=1, prefill, decode c=4 (torch profiler), split per engine step"
-    "$python" "$tools/profile_capture.py" --url "http://127.0.0.1:$port" --trace-dir "$traces" \
+    "$python" "$root/magpie" profile-capture --url "http://127.0.0.1:$port" --trace-dir "$traces" \
       --out "$workdir/results/$name/profile" --decode-steps 8 --min-window-s 0.3 --prefill-tokens 1500
-    "$python" "$tools/trace_split.py" "$workdir/results/$name/profile/decode-c1"
+    "$python" "$root/magpie" trace-split "$workdir/results/$name/profile/decode-c1"
   fi
   stop_server
 }
@@ -130,29 +119,29 @@ measure mtp3 "MTP k=3" "mtp=3 draft_head=full" MTP=3 TRACE=1
 
 runs=("$workdir/results/mtp-off" "$workdir/results/mtp3")
 skipped=()
-if [ -x "$root/scripts/mtp_pruning/fit_keepset.py" ] && grep -q '^mtp-pruning/' "$root/patches/vllm-0.29.0/series"; then
+if [ -f "$root/magpie/mtp_pruning/fit_keepset.py" ] && grep -q '^mtp_pruning/' "$root/patches/vllm-0.29.0/series"; then
   say "6. Fit a keep-set from the model's own generations (MTP k=3 run), serve with the pruned draft head"
   keep="$workdir/keep.npy"
   mtp3="$workdir/results/mtp3"
-  "$python" "$root/scripts/mtp_pruning/fit_keepset.py" "$mtp3/bench-c1.json" "$mtp3/bench-c4.json" "$mtp3/gsm8k.json" \
+  "$python" "$root/magpie" fit-keepset "$mtp3/bench-c1.json" "$mtp3/bench-c4.json" "$mtp3/gsm8k.json" \
     --model "$model" -o "$keep"
   measure mtp3-pruned "MTP k=3, pruned draft head" "mtp=3 draft_head=pruned" MTP=3 DRAFT_VOCAB_PATH="$keep"
   runs+=("$workdir/results/mtp3-pruned")
 else
-  skipped+=("the pruned draft head: scripts/mtp_pruning/fit_keepset.py or the mtp-pruning patch is not in this checkout")
+  skipped+=("the pruned draft head: magpie/mtp_pruning/fit_keepset.py or the mtp_pruning patch is not in this checkout")
 fi
 trap - EXIT
 
 say "7. Report"
-"$python" "$tools/report.py" "${runs[@]}" --output "$report" --force
+"$python" "$root/magpie" report "${runs[@]}" --output "$report" --force
 
 say "Side by side (identical outputs: the c=1 bench's token ids against the first row)"
-"$python" "$tools/report.py" --compare "${runs[@]}"
+"$python" "$root/magpie" report --compare "${runs[@]}"
 echo
 echo "results: $workdir/results   report: $report   ($(($(date +%s) - start)) s in all)"
 echo "GSM8K at 0 % is expected: the tiny model only counts upwards (next id = previous id + 1); the run"
 echo "shows the evaluation pipeline works (answers extracted, truncations counted), not accuracy."
-echo "not shown here: ple-ssd (the n-gram table on disk) belongs to Qwen4Exp models; the tiny model has no"
+echo "not shown here: ple_ssd (the n-gram table on disk) belongs to Qwen4Exp models; the tiny model has no"
 echo "table. tests/ple_ssd exercises it on CPU; on a GPU box serve Flash-Next with PLE=1 (the default)."
 for item in "${skipped[@]}"; do
   echo "skipped: $item"

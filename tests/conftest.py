@@ -6,18 +6,16 @@ The suite runs under the test venv's interpreter (tests/env/setup.sh); tests/run
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-sys.path.insert(0, str(TESTS))
 
-from tiny_models import build_tiny_qwen35, train_tokenizer  # noqa: E402
-from vllm_overlay import installed_vllm_dir, make_overlay, vllm_env  # noqa: E402
-from vllm_server import VllmServer  # noqa: E402
+from magpie.demo.overlay import installed_vllm_dir, make_overlay, vllm_env  # noqa: E402
+from magpie.demo.tiny_models import build_tiny_qwen35, train_tokenizer  # noqa: E402
+from magpie.serving.process import VllmServer  # noqa: E402
 
 SDIST_DIR = REPO / ".cache" / "sdist"
 VLLM_VERSION = "0.29.0"

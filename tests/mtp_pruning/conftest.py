@@ -1,4 +1,4 @@
-"""Fixtures of the mtp-pruning tests: a vLLM overlay with only mtp-pruning applied (the patch stands
+"""Fixtures of the mtp_pruning tests: a vLLM overlay with only mtp_pruning applied (the patch stands
 alone), the patch's machinery module loaded on its own, and keep-set files.
 """
 
@@ -9,18 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_overlay import make_overlay
+
+from magpie.demo.overlay import make_overlay
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-SCRIPTS = REPO / "scripts" / "mtp_pruning"
+SCRIPTS = REPO / "magpie" / "mtp_pruning"
 DRAFT_VOCAB_MODULE = Path("vllm") / "v1" / "spec_decode" / "draft_vocab.py"
 
 
 @pytest.fixture(scope="session")
 def pruning_overlay(tmp_path_factory) -> Path:
-    """The installed vLLM with mtp-pruning alone applied, through scripts/patches.py."""
-    return make_overlay(tmp_path_factory.mktemp("vllm-mtp-pruning"), ["mtp-pruning"])
+    """The installed vLLM with mtp_pruning alone applied, through magpie/patches.py."""
+    return make_overlay(tmp_path_factory.mktemp("vllm-mtp_pruning"), ["mtp_pruning"])
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Helpers shared by the mtp-pruning tests."""
+"""Helpers shared by the mtp_pruning tests."""
 
 from __future__ import annotations
 
@@ -7,19 +7,14 @@ import importlib
 import io
 import json
 import struct
-import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent.parent.parent / "scripts" / "mtp_pruning"
+SCRIPTS = Path(__file__).resolve().parent.parent.parent / "magpie" / "mtp_pruning"
 
 
 def run_script(name: str, *args: str) -> tuple[int, str, str]:
     """Call a keep-set tool's main(argv) in this process; return (exit status, stdout, stderr)."""
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        module = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    module = importlib.import_module(f"magpie.mtp_pruning.{name}")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = module.main([str(a) for a in args])
@@ -106,7 +101,8 @@ def qwen4_exp_dir(folder: Path, tokenizer_dir: Path, tied: bool, vocab_size: int
 
     import torch
     from safetensors.torch import save_file
-    from tiny_models import qwen4_exp_text_config
+
+    from magpie.demo.tiny_models import qwen4_exp_text_config
 
     folder.mkdir(parents=True)
     config = qwen4_exp_text_config(

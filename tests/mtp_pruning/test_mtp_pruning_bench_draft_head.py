@@ -1,4 +1,4 @@
-"""scripts/mtp_pruning/bench_draft_head.py without a GPU: its arguments, the H200 command in its
+"""magpie/mtp_pruning/bench_draft_head.py without a GPU: its arguments, the H200 command in its
 docstring, the fp8 arithmetic of vLLM 0.33's fp8 head copy against a float reference, and every
 timed path run for real on the CPU (torch's CPU `_scaled_mm` takes the same row-wise scales)."""
 
@@ -7,31 +7,25 @@ from __future__ import annotations
 import importlib
 import shlex
 import statistics
-import sys
 import time
 
 import pytest
 import torch
-from pruning_helpers import SCRIPTS
 
 FP8_MAX = 448.0
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        return importlib.import_module("bench_draft_head")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return importlib.import_module("magpie.mtp_pruning.bench_draft_head")
 
 
 def test_docstring_has_one_h200_command_that_parses(bench):
     lines = [line for line in bench.__doc__.splitlines() if line.startswith("H200: ")]
     assert len(lines) == 1
     argv = shlex.split(lines[0][len("H200: ") :])
-    assert argv[:2] == ["python3", "scripts/mtp_pruning/bench_draft_head.py"]
-    args = bench.build_parser().parse_args(argv[2:])
+    assert argv[:3] == ["python3", "magpie", "bench-draft-head"]
+    args = bench.build_parser().parse_args(argv[3:])
     assert args.output.startswith("$OUT/") and args.output.endswith(".json")
     args.output = None  # $OUT exists only on the GPU machine
     assert bench.check_args(args) is None
@@ -132,7 +126,7 @@ def test_every_path_runs_checks_and_lands_in_the_summary_on_cpu(bench):
     )
     assert bench.check_args(args) is None
     result = bench.measure(args, torch.device("cpu"), cpu_timer)
-    assert result["schema"] == "mtp-pruning/bench-draft-head/2"
+    assert result["schema"] == "mtp_pruning/bench-draft-head/2"
     assert list(result) == [
         "schema",
         "device",

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vllm_overlay import vllm_env
-from vllm_server import free_port
+
+from magpie.demo.overlay import vllm_env
+from magpie.serving.process import free_port
 
 PROBE = Path(__file__).resolve().parent / "draft_head_probe.py"
 VOCAB = 4096
@@ -37,7 +38,7 @@ def tied_copy(model: Path, dest: Path) -> Path:
 
 def run_probe(overlay: Path, scenarios: list[dict], tp: int, out: Path) -> dict:
     port = free_port()
-    env = vllm_env(overlay, VLLM_DIST_IDENT=f"mtp-pruning-{uuid.uuid4().hex[:8]}")
+    env = vllm_env(overlay, VLLM_DIST_IDENT=f"mtp_pruning-{uuid.uuid4().hex[:8]}")
     cmd = [sys.executable, str(PROBE), "--tp", str(tp), "--port", str(port), "--out", str(out)]
     for scenario in scenarios:
         cmd += ["--scenario", json.dumps(scenario)]

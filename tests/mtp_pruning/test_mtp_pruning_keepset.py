@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pruning_helpers import MALFORMED_CASES, write_malformed_keepsets
+
+from tests.mtp_pruning.pruning_helpers import MALFORMED_CASES, write_malformed_keepsets
 
 VOCAB = 4096
 

@@ -1,5 +1,5 @@
-"""The mtp-pruning patch as a file: it stands alone, applies to the pristine vLLM 0.29.0 sdist with
-scripts/patches.py, and reverts to the exact bytes."""
+"""The mtp_pruning patch as a file: it stands alone, applies to the pristine vLLM 0.29.0 sdist with
+magpie/patches.py, and reverts to the exact bytes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
-PATCH = REPO / "patches" / "vllm-0.29.0" / "mtp-pruning" / "0001-draft-vocab-pruning.patch"
-TOOL = REPO / "scripts" / "patches.py"
+PATCH = REPO / "patches" / "vllm-0.29.0" / "mtp_pruning" / "0001-draft-vocab-pruning.patch"
+TOOL = REPO / "magpie" / "patches.py"
 TOUCHED = [
     "vllm/config/speculative.py",
     "vllm/model_executor/models/qwen3_5_mtp.py",
@@ -43,15 +43,15 @@ def test_patch_applies_alone_to_the_sdist_and_reverts_to_the_same_bytes(sdist_ro
     target = tmp_path / "vllm-0.29.0"
     shutil.copytree(sdist_root / "vllm", target / "vllm")
     shutil.copy(sdist_root / "PKG-INFO", target / "PKG-INFO")
-    name = "mtp-pruning/0001-draft-vocab-pruning.patch"
+    name = "mtp_pruning/0001-draft-vocab-pruning.patch"
     assert states(target)[name] == "not applied"
-    applied = tool("apply", "mtp-pruning", "--target", str(target))
+    applied = tool("apply", "mtp_pruning", "--target", str(target))
     assert applied.returncode == 0, applied.stdout + applied.stderr
     after = states(target)
     assert after[name] == "applied"
     assert all(state == "not applied" for patch, state in after.items() if patch != name)  # nothing else needed
     assert "draft_vocab_path: str | None = None" in (target / TOUCHED[0]).read_text()
-    reverted = tool("revert", "mtp-pruning", "--target", str(target))
+    reverted = tool("revert", "mtp_pruning", "--target", str(target))
     assert reverted.returncode == 0, reverted.stdout + reverted.stderr
     assert not (target / TOUCHED[3]).exists()
     for path in TOUCHED[:3]:

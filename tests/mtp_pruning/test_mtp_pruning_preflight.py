@@ -1,4 +1,4 @@
-"""serve.sh's preflight (scripts/flash_next/preflight.py) on keep-sets, against a vLLM with the mtp-pruning
+"""serve.sh's preflight (magpie/serving/preflight.py) on keep-sets, against a vLLM with the mtp_pruning
 patch: it refuses what the server would refuse (naming the file and the rule), and a keep-set of
 every id, before the ~10-minute weight load."""
 
@@ -10,15 +10,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pruning_helpers import write_malformed_keepsets
-from vllm_overlay import vllm_env
 
-PREFLIGHT = Path(__file__).resolve().parent.parent.parent / "scripts" / "flash_next" / "preflight.py"
+from magpie.demo.overlay import vllm_env
+from tests.mtp_pruning.pruning_helpers import write_malformed_keepsets
+
+PACKAGE = Path(__file__).resolve().parent.parent.parent / "magpie"
 VOCAB = 4096
 
 
 def preflight(overlay, model, keep) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(PREFLIGHT), "--model", str(model), "--draft-vocab-path", str(keep), "--jit-check", "0"]
+    cmd = [
+        sys.executable,
+        str(PACKAGE),
+        "preflight",
+        "--model",
+        str(model),
+        "--draft-vocab-path",
+        str(keep),
+        "--jit-check",
+        "0",
+    ]
     return subprocess.run(cmd, env=vllm_env(overlay), capture_output=True, text=True, timeout=120)
 
 

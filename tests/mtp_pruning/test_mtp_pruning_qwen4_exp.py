@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pruning_helpers import qwen4_exp_dir
-from vllm_overlay import vllm_env
+
+from magpie.demo.overlay import vllm_env
+from tests.mtp_pruning.pruning_helpers import qwen4_exp_dir
 
 pytestmark = pytest.mark.slow
 

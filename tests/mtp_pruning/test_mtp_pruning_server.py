@@ -1,9 +1,9 @@
 """Pruned vs unpruned MTP on real vLLM servers (CPU, 127.0.0.1), the tiny "increment" model.
 
-One module-scoped run, three servers one after another, all on the overlay with mtp-pruning
+One module-scoped run, three servers one after another, all on the overlay with mtp_pruning
 applied:
 1. unpruned (patch inactive): the measured prompts, then longer generations saved as a results
-   folder, from which scripts/mtp_pruning/fit_keepset.py fits a keep-set covering them;
+   folder, from which magpie/mtp_pruning/fit_keepset.py fits a keep-set covering them;
 2. pruned with that covering keep-set;
 3. pruned with the covering keep-set minus every second id the target emits (not every third:
    with 2 draft tokens every third token is the target's bonus token, never drafted).
@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pruning_helpers import run_script
-from vllm_overlay import vllm_env
-from vllm_server import VllmServer, metric_values
+
+from magpie.demo.overlay import vllm_env
+from magpie.serving.process import VllmServer, metric_values
+from tests.mtp_pruning.pruning_helpers import run_script
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from pruning_helpers import MALFORMED_CASES, qwen4_exp_dir, write_malformed_keepsets
-from vllm_overlay import vllm_env
-from vllm_server import VllmServer
+
+from magpie.demo.overlay import vllm_env
+from magpie.serving.process import VllmServer
+from tests.mtp_pruning.pruning_helpers import MALFORMED_CASES, qwen4_exp_dir, write_malformed_keepsets
 
 # Builds each speculative configuration the way `vllm serve` does (EngineArgs -> VllmConfig),
 # reporting the outcome per keep-set as one JSON line.

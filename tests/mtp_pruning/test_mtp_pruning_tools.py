@@ -1,4 +1,4 @@
-"""The keep-set tools of scripts/mtp_pruning/ on inputs whose counts are computed here independently."""
+"""The keep-set tools of magpie/mtp_pruning/ on inputs whose counts are computed here independently."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from pruning_helpers import run_script
+
+from tests.mtp_pruning.pruning_helpers import run_script
 
 VOCAB = 4096
 
@@ -114,7 +115,7 @@ def test_count_tokens_reads_this_projects_result_files(tmp_path, tiny_mtp_model,
     )
     assert np.array_equal(np.load(tmp_path / "c.npy"), want)
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["schema"] == "mtp-pruning/count-tokens/1"
+    assert summary["schema"] == "mtp_pruning/count-tokens/1"
     assert (summary["texts"], summary["tokens"], summary["distinct_ids"]) == (3, int(want.sum()), int((want > 0).sum()))
     assert summary["vocab_size"] == VOCAB
     assert {entry["path"].rsplit("/", 1)[-1]: entry["texts"] for entry in summary["inputs"]} == {
@@ -239,15 +240,8 @@ def test_fit_keepset_from_a_results_folder(tmp_path, tiny_mtp_model, tokenizer):
 def test_gpu_bench_times_the_module_the_patch_ships(pruning_overlay):
     """bench_draft_head.py loads the patch's module from the patch file: the same code the overlay has."""
     import importlib
-    import sys
 
-    from pruning_helpers import SCRIPTS
-
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        bench = importlib.import_module("bench_draft_head")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    bench = importlib.import_module("magpie.mtp_pruning.bench_draft_head")
     module = bench.load_module_from_patch(bench.PATCH)
     shipped = pruning_overlay / "vllm" / "v1" / "spec_decode" / "draft_vocab.py"
     assert open(module.__file__).read() == shipped.read_text()

@@ -13,18 +13,18 @@ REPO = Path(__file__).resolve().parents[2]
 # The flake's apps and the script each one runs: the one list the nix tests check the app
 # table, the `apps` and `packages` outputs and the wrappers against.
 EXPECTED_APPS = {
-    "serve-flash-next": "scripts/flash_next/serve.sh",
-    "bench-suite": "scripts/flash_next/run_suite.sh",
-    "build-keepset": "scripts/mtp_pruning/build_keepset.py",
-    "count-tokens": "scripts/mtp_pruning/count_tokens.py",
-    "memguard": "scripts/flash_next/memguard.py",
-    "watchdog": "scripts/flash_next/watchdog.py",
-    "ple-warmup": "scripts/flash_next/ple_warmup.py",
-    "sweep": "scripts/flash_next/sweep.py",
-    "profile-capture": "scripts/flash_next/profile_capture.py",
-    "trace-split": "scripts/flash_next/trace_split.py",
-    "report": "scripts/flash_next/report.py",
-    "patches": "scripts/patches.py",
+    "serve-flash-next": "magpie/serving/serve.sh",
+    "bench-suite": "magpie/measure/run_suite.sh",
+    "build-keepset": "magpie/mtp_pruning/build_keepset.py",
+    "count-tokens": "magpie/mtp_pruning/count_tokens.py",
+    "memguard": "magpie/serving/memguard.py",
+    "watchdog": "magpie/serving/watchdog.py",
+    "ple-warmup": "magpie/serving/ple_warmup.py",
+    "sweep": "magpie/measure/sweep.py",
+    "profile-capture": "magpie/measure/profile_capture.py",
+    "trace-split": "magpie/measure/trace_split.py",
+    "report": "magpie/measure/report.py",
+    "patches": "magpie/patches.py",
 }
 
 

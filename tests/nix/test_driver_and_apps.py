@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from nixeval import EXPECTED_APPS, REPO, nix_eval, shellcheck
 
-DRIVER_SCRIPT = REPO / "scripts" / "nix" / "nvidia-driver-libs.sh"
+from tests.nix.nixeval import EXPECTED_APPS, REPO, nix_eval, shellcheck
+
+DRIVER_SCRIPT = REPO / "magpie" / "nix" / "nvidia-driver-libs.sh"
 MACHINE = platform.machine()
 DRIVER_FILES = ["libcuda.so.580.65.06", "libnvidia-ml.so.580.65.06", "libnvidia-ptxjitcompiler.so.580.65.06"]
 HOST_FILES = ["libc.so.6", "libstdc++.so.6", "libz.so.1", "libcudart.so.13"]
@@ -189,7 +190,7 @@ def test_wrapper_runs_the_repository_script_with_help(tmp_path, name):
 def test_patches_app_passes_arguments_through_unchanged(tmp_path):
     wrapper = write_wrapper(tmp_path, "patches", REPO)
     direct = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "patches.py"), "list"], capture_output=True, text=True
+        [sys.executable, str(REPO / "magpie" / "patches.py"), "list"], capture_output=True, text=True
     )
     wrapped = subprocess.run([str(wrapper), "list"], capture_output=True, text=True)
     assert (wrapped.returncode, wrapped.stdout) == (direct.returncode, direct.stdout)
@@ -203,12 +204,12 @@ def test_wrapper_of_a_script_missing_from_the_build_says_so(tmp_path):
     wrapper = write_wrapper(tmp_path, "trace-split", tmp_path / "empty-src")
     out = subprocess.run([str(wrapper)], capture_output=True, text=True)
     assert out.returncode == 2
-    assert "scripts/flash_next/trace_split.py is not part of this build" in out.stderr
+    assert "magpie/measure/trace_split.py is not part of this build" in out.stderr
 
 
 def fake_src_with_probe(tmp_path: Path) -> Path:
     """A source tree whose serve.sh prints what the wrapper handed it."""
-    script = tmp_path / "src" / "scripts" / "flash_next" / "serve.sh"
+    script = tmp_path / "src" / "magpie" / "serving" / "serve.sh"
     script.parent.mkdir(parents=True)
     script.write_text(
         "for var in LD_LIBRARY_PATH TRITON_LIBCUDA_PATH CUDA_HOME CC FLASHINFER_CUDA_ARCH_LIST "

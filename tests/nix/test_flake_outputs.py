@@ -10,7 +10,8 @@ checked is the structure and the arguments the flake hands them, not a build.
 from __future__ import annotations
 
 import pytest
-from nixeval import EXPECTED_APPS, REPO, NixError, nix_eval
+
+from tests.nix.nixeval import EXPECTED_APPS, REPO, NixError, nix_eval
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 STAND_IN = REPO / "tests" / "nix" / "nixpkgs-stand-in"

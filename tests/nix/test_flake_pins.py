@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from nixeval import REPO, nix_eval
+
+from tests.nix.nixeval import REPO, nix_eval
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 # Public facts (shared/FACTS.md, "Pins known to be real").
@@ -174,7 +175,7 @@ def test_pin_generator_check_passes_against_the_registry():
     if reason:
         pytest.skip(f"registry unreachable, the pins cannot be re-resolved: {reason}")
     out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "nix" / "pin_wheels.py"), "--check", "--pip-python", str(TOOLS_PYTHON)],
+        [sys.executable, str(REPO / "magpie"), "pin-wheels", "--check", "--pip-python", str(TOOLS_PYTHON)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -4,9 +4,10 @@ nixfmt (nix_layout.py); the flake's checks.formatting runs nixfmt itself."""
 from __future__ import annotations
 
 import pytest
-from nix_layout import mask, violations
-from nixeval import REPO
-from test_nix_lib import tracked
+
+from tests.nix.nix_layout import mask, violations
+from tests.nix.nixeval import REPO
+from tests.nix.test_nix_lib import tracked
 
 NIX_FILES = tracked("*.nix")
 

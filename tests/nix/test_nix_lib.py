@@ -8,7 +8,8 @@ import os
 import subprocess
 
 import pytest
-from nixeval import EXPECTED_APPS, REPO, NixError, nix_eval, nix_instantiate
+
+from tests.nix.nixeval import EXPECTED_APPS, REPO, NixError, nix_eval, nix_instantiate
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 
@@ -31,7 +32,7 @@ def tracked(pattern: str) -> list[str]:
 
 
 def python_series(text: str) -> list[str]:
-    """scripts/patches.py's reading of patches/series (load_series), for comparison."""
+    """magpie/patches.py's reading of patches/series (load_series), for comparison."""
     return [entry for entry in (raw.split("#", 1)[0].strip() for raw in text.splitlines()) if entry]
 
 
@@ -48,9 +49,9 @@ def test_every_nix_file_parses():
 SERIES_TEXTS = [
     "",
     "# only a comment\n\n",
-    "ple-ssd/0001-mmap-ngram-table.patch\nple-ssd/0002-full-graphs.patch\n",
-    "  ple-ssd/0001-a.patch   # trailing comment\n\tmtp-pruning/0001-b.patch\n#ple-ssd/0003-off.patch\n",
-    "mtp-pruning/0001-b.patch#no space before the comment\n   \n\n",
+    "ple_ssd/0001-mmap-ngram-table.patch\nple_ssd/0002-full-graphs.patch\n",
+    "  ple_ssd/0001-a.patch   # trailing comment\n\tmtp_pruning/0001-b.patch\n#ple_ssd/0003-off.patch\n",
+    "mtp_pruning/0001-b.patch#no space before the comment\n   \n\n",
 ]
 
 
@@ -66,13 +67,13 @@ def test_series_of_the_repository_matches_the_patch_tool():
 
 
 def test_series_listing_a_missing_patch_is_refused(tmp_path):
-    (tmp_path / "series").write_text("ple-ssd/0001-missing.patch\n")
-    with pytest.raises(NixError, match="lists ple-ssd/0001-missing.patch, which does not exist"):
+    (tmp_path / "series").write_text("ple_ssd/0001-missing.patch\n")
+    with pytest.raises(NixError, match="lists ple_ssd/0001-missing.patch, which does not exist"):
         nix_eval("lib.seriesPatches (/. + dir)", dir=str(tmp_path))
 
 
 def test_series_entry_outside_an_optimization_folder_is_refused():
-    assert nix_eval('lib.seriesOptimization "mtp-pruning/0001-x.patch"') == "mtp-pruning"
+    assert nix_eval('lib.seriesOptimization "mtp_pruning/0001-x.patch"') == "mtp_pruning"
     with pytest.raises(NixError, match="is not <optimization>/<NNNN-name>.patch"):
         nix_eval('lib.seriesOptimization "0001-x.patch"')
 

@@ -7,7 +7,8 @@ import shutil
 import subprocess
 
 import pytest
-from test_flake_outputs import flake_eval
+
+from tests.nix.test_flake_outputs import flake_eval
 
 
 def runpath(path) -> str:

@@ -1,4 +1,4 @@
-"""Fixtures of the ple-ssd tests: the scaled-down checkpoints, the patched vLLM overlays
+"""Fixtures of the ple_ssd tests: the scaled-down checkpoints, the patched vLLM overlays
 (0001 alone, 0001 + 0002), and `run_ple`, which runs tests/ple_ssd/ple_runner.py under one
 of them (or under the pytest process's own pristine vLLM) in a subprocess.
 """
@@ -14,10 +14,9 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from checkpoint import build_ple_checkpoint  # noqa: E402
-from vllm_overlay import make_overlay, vllm_env  # noqa: E402
+from magpie.demo.overlay import make_overlay, vllm_env  # noqa: E402
+from tests.ple_ssd.checkpoint import build_ple_checkpoint  # noqa: E402
 
 RUNNER = HERE / "ple_runner.py"
 SMALL_BASE = 2_000  # ~33k rows, 10 MB: enough for the refusal and FP8 cases
@@ -69,11 +68,11 @@ def small_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def overlays(tmp_path_factory) -> dict[str, Path | None]:
-    """vLLM with ple-ssd/0001 alone, with 0001 + 0002 (the tool applies the prerequisite)."""
+    """vLLM with ple_ssd/0001 alone, with 0001 + 0002 (the tool applies the prerequisite)."""
     return {
         "stock": None,
-        "0001": make_overlay(tmp_path_factory.mktemp("vllm-ple-0001"), ["ple-ssd/0001"]),
-        "0002": make_overlay(tmp_path_factory.mktemp("vllm-ple-0002"), ["ple-ssd/0002"]),
+        "0001": make_overlay(tmp_path_factory.mktemp("vllm-ple-0001"), ["ple_ssd/0001"]),
+        "0002": make_overlay(tmp_path_factory.mktemp("vllm-ple-0002"), ["ple_ssd/0002"]),
     }
 
 

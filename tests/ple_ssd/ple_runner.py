@@ -1,4 +1,4 @@
-"""Runs vLLM's Qwen4Exp PLE layer in a process of its own, for the ple-ssd tests.
+"""Runs vLLM's Qwen4Exp PLE layer in a process of its own, for the ple_ssd tests.
 
 The tests start this script with a patched vLLM overlay (or the pristine venv) on PYTHONPATH:
 
@@ -88,7 +88,7 @@ def init_distributed(rank=0, world_size=1, port=None):
 
     port = port or free_port()
     # The CPU worker sets this for its shared-memory communicator: one name per group.
-    os.environ.setdefault("VLLM_DIST_IDENT", f"ple-ssd-test-{port}")
+    os.environ.setdefault("VLLM_DIST_IDENT", f"ple_ssd-test-{port}")
     init_distributed_environment(
         world_size=world_size,
         rank=rank,

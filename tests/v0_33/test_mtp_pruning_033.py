@@ -1,4 +1,4 @@
-"""mtp-pruning for vLLM 0.33.0, with vLLM 0.33.0's own code: the configuration as `vllm serve`
+"""mtp_pruning for vLLM 0.33.0, with vLLM 0.33.0's own code: the configuration as `vllm serve`
 builds it, and the V2 runner's draft loader with the real Qwen3.5 MTP draft class loaded from a
 tiny checkpoint (see conftest.py for what of 0.33 runs here and what does not).
 
@@ -19,12 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))
 
-sys.path.insert(0, str(TESTS / "mtp_pruning"))
-
-from pruning_helpers import qwen4_exp_dir  # noqa: E402
-from vllm_overlay import vllm_env  # noqa: E402
+from magpie.demo.overlay import vllm_env  # noqa: E402
+from tests.mtp_pruning.pruning_helpers import qwen4_exp_dir  # noqa: E402
 
 PROBE = Path(__file__).resolve().parent / "probe_033.py"
 VOCAB = 4096

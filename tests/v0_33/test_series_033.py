@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tree_033 import SERIES, TOOL, sdist_033
+from tests.v0_33.tree_033 import SERIES, TOOL, sdist_033
 
 REPO = Path(__file__).resolve().parent.parent.parent
-PATCHES = ["mtp-pruning/0001-draft-vocab-pruning.patch", "mtp-pruning/0002-quantized-pruned-head.patch"]
+PATCHES = ["mtp_pruning/0001-draft-vocab-pruning.patch", "mtp_pruning/0002-quantized-pruned-head.patch"]
 
 
 def run_tool(*args) -> subprocess.CompletedProcess:
@@ -43,8 +43,8 @@ def test_series_lists_the_mtp_pruning_patches_in_order():
 
 def test_headers_name_the_release_the_origin_and_the_prerequisite():
     first, second = ((SERIES / name).read_text() for name in PATCHES)
-    assert "\nTarget: vllm 0.33.0\nRebased-From: vllm 0.29.0 (scripts/patches.py rebase)\nRequires: none\n" in first
-    assert "\nTarget: vllm 0.33.0\nRequires: mtp-pruning/0001\n" in second
+    assert "\nTarget: vllm 0.33.0\nRebased-From: vllm 0.29.0 (magpie/patches.py rebase)\nRequires: none\n" in first
+    assert "\nTarget: vllm 0.33.0\nRequires: mtp_pruning/0001\n" in second
     assert '"draft_lm_head_quantization": "fp8"' in second.split("\n---\n")[0]
 
 
@@ -58,10 +58,10 @@ def test_series_applies_and_reverts_byte_for_byte_on_the_sdist(tmp_path):
     assert proc.returncode == 0 and f"series {SERIES / 'series'}" in proc.stdout, proc.stdout + proc.stderr
     assert states("--target", str(tree)) == dict.fromkeys(PATCHES, "not applied")
     # 0002 alone is refused; the tool names the prerequisite.
-    proc = run_tool("apply", "mtp-pruning/0002", "--target", str(tree))
-    assert proc.returncode == 1 and "requires mtp-pruning/0001-draft-vocab-pruning.patch" in proc.stderr
+    proc = run_tool("apply", "mtp_pruning/0002", "--target", str(tree))
+    assert proc.returncode == 1 and "requires mtp_pruning/0001-draft-vocab-pruning.patch" in proc.stderr
     assert digest(tree) == pristine
-    proc = run_tool("apply", "mtp-pruning", "--target", str(tree))
+    proc = run_tool("apply", "mtp_pruning", "--target", str(tree))
     assert proc.returncode == 0, proc.stderr
     assert "5 file(s) changed" in proc.stdout
     assert states("--target", str(tree)) == dict.fromkeys(PATCHES, "applied")
@@ -76,7 +76,7 @@ def test_series_applies_and_reverts_byte_for_byte_on_the_sdist(tmp_path):
     for rel in changed:
         py_compile.compile(str(tree / rel), cfile=str(tmp_path / "pyc" / (rel + "c")), doraise=True)
     # Reverting 0001 alone is refused while 0002 is applied.
-    proc = run_tool("revert", "mtp-pruning/0001", "--target", str(tree))
+    proc = run_tool("revert", "mtp_pruning/0001", "--target", str(tree))
     assert proc.returncode == 1 and "requires it" in proc.stderr
     proc = run_tool("revert", "--target", str(tree))
     assert proc.returncode == 0, proc.stderr
@@ -87,4 +87,4 @@ def test_the_0_33_series_does_not_apply_to_0_29(tmp_path):
     tree = REPO / ".cache" / "sdist" / "vllm-0.29.0"
     proc = run_tool("status", "--series", "0.33.0", "--target", str(tree))
     assert proc.returncode == 3
-    assert "mtp-pruning/0001-draft-vocab-pruning.patch    conflicting" in proc.stdout
+    assert "mtp_pruning/0001-draft-vocab-pruning.patch    conflicting" in proc.stdout

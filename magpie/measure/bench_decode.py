@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""Decode speed and MTP acceptance of a running vLLM server, measured the way a user feels it.
+
+Streams N chat requests at concurrency C (temperature 0, thinking off) after a warm-up, and
+reports per request: time to first token (TTFT) and decode tok/s (the tokens after the first
+chunk over the time from the first to the last token); overall: aggregate output tok/s; and from
+the `/metrics` counters before and after the run (the warm-up excluded): the decode tok/s the
+engine's own timestamps give (immune to a front-end that delivers chunks in bursts), the MTP
+acceptance length (1 + accepted / drafts), the acceptance rate (accepted / draft tokens) and
+the acceptance per draft position.
+
+    python3 magpie bench-decode --url http://127.0.0.1:8100 -n 8 -c 1 --output c1.json
+
+Prompts: a built-in set of realistic coding and agent requests (random tokens give misleading
+acceptance), or `--prompts FILE`: JSONL or a JSON list, each item a string, {"prompt": str} or
+{"messages": [...]}.
+
+Output (`--output`, schema "flash-next/bench-decode/1", documented in docs/serving.md): a
+summary first, the per-request records after; a table on stdout. A failed request is recorded
+and the run goes on. If the server dies, the results so far are written with
+"status": "server-died" and the exit code is 3 (interrupted: "interrupted", 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+
+from magpie.serving import client as vllm_client
+
+SCHEMA = "flash-next/bench-decode/2"
+
+BUILTIN_PROMPTS = [
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping closed intervals given as "
+    "a list of (start, end) tuples. Explain the sorting step, state the complexity, and add three pytest tests.",
+    "I have a FastAPI service whose /upload endpoint reads the whole file into memory. Rewrite it to stream "
+    "the upload to disk in 1 MiB chunks, enforce a 2 GiB limit, and return the SHA-256 of the stored file.",
+    "Review this shell snippet and list every bug: `for f in $(ls *.log); do cat $f | grep ERROR > errors.txt; "
+    "done`. Then give a corrected version that handles spaces in file names.",
+    "You are a coding agent. The test `test_parse_date` fails with `ValueError: unconverted data remains: Z`. "
+    "The code calls `datetime.strptime(s, '%Y-%m-%dT%H:%M:%S')`. Propose a fix that accepts both '...Z' and "
+    "'+00:00' suffixes, and show the patch as a unified diff.",
+    "Explain the difference between a process and a thread in Linux, then write a C program that creates two "
+    "threads incrementing a shared counter one million times each, first with a data race and then with a mutex.",
+    "Write a SQL query that returns, for each customer, the total amount of their three most recent orders. "
+    "Tables: customers(id, name), orders(id, customer_id, created_at, amount). Use a window function.",
+    "Plan the steps an agent should take to add pagination to a REST endpoint `GET /items` in an existing "
+    "Django project: which files to open, what to change, which tests to write, and how to verify it.",
+    "Implement an LRU cache class in TypeScript with `get`, `put` and a capacity, O(1) per operation, "
+    "using a Map. Include a short usage example and explain why Map preserves insertion order.",
+    "Summarise what this Git history means and what to do next: `git status` says 'You have divergent "
+    "branches and need to specify how to reconcile them'. Compare merge, rebase and fast-forward-only.",
+    "Write a Rust function that reads a CSV file of (name, score) rows from stdin and prints the top five "
+    "names by score, handling malformed lines by skipping them with a warning on stderr.",
+    "A Kubernetes pod is stuck in CrashLoopBackOff. Write the sequence of kubectl commands you would run to "
+    "find the cause, and explain what each output tells you.",
+    "Convert this callback-style Node.js code to async/await with proper error handling: "
+    "`fs.readFile(p, (err, data) => { if (err) throw err; db.save(JSON.parse(data), (e) => { if (e) "
+    "console.log(e); }); });`",
+    "Design a JSON schema for a tool call made by an AI agent: the tool name, arguments, a call id, and the "
+    "result or error. Give one valid example and one invalid example with the validation error it triggers.",
+    "Write a bash script that backs up a PostgreSQL database with pg_dump every night, keeps the last seven "
+    "dumps, and exits non-zero with a clear message when the disk has less than 10 GB free.",
+    "Given a Python list of dictionaries with keys 'user', 'event' and 'ts', write code that computes each "
+    "user's session count, where a new session starts after 30 minutes of inactivity.",
+    "Explain what a race condition in a web application's 'reserve seat' endpoint looks like, and show two "
+    "fixes: a database row lock and an atomic conditional update. Discuss which scales better.",
+]
+
+
+def load_prompts(path: str | None) -> tuple[list[list[dict]], str]:
+    """Chat message lists, and where they came from."""
+    if path is None:
+        return [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS], "builtin"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    stripped = text.lstrip()
+    items = json.loads(text) if stripped.startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    prompts = []
+    for number, item in enumerate(items, 1):
+        if isinstance(item, str):
+            prompts.append([{"role": "user", "content": item}])
+        elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+            prompts.append(item["messages"])
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            prompts.append([{"role": "user", "content": item["prompt"]}])
+        else:
+            raise SystemExit(
+                f"error: {path} item {number}: expected a string, {{'prompt': str}} or {{'messages': [...]}}"
+            )
+    if not prompts:
+        raise SystemExit(f"error: {path} holds no prompt")
+    return prompts, os.path.abspath(path)
+
+
+def request_body(args, model: str, messages: list[dict]) -> dict:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "chat_template_kwargs": {"enable_thinking": args.thinking},
+        "return_token_ids": True,
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def finish_record(index: int, prompt_id: int, raw: dict, t0: float, min_decode_interval_s: float) -> dict:
+    """The published per-request record (times relative to the start of the measured run).
+
+    TTFT, TPOT, ITL and E2E latency as `vllm bench serve` defines them (vllm_client.request_timing);
+    decode_tok_per_s is null, with decode_unmeasured_reason, when the stream shows no decode interval.
+    """
+    timing = vllm_client.request_timing(raw, min_decode_interval_s)
+    end = raw["t_end"] or raw["t_last"] or raw["t_sent"]
+    return {
+        "index": index,
+        "prompt_id": prompt_id,
+        "ok": raw["ok"],
+        "error": raw["error"],
+        "http_status": raw["http_status"],
+        "start_s": raw["t_sent"] - t0 if raw["t_sent"] else None,
+        "end_s": end - t0 if raw["t_sent"] else None,
+        "ttft_s": timing["ttft_s"],
+        "tpot_s": timing["tpot_s"],
+        "itl_s": timing["itl_s"],
+        "latency_s": timing["e2el_s"],
+        "decode_tok_per_s": timing["decode_tok_per_s"],
+        "decode_interval_s": timing["decode_interval_s"],
+        "decode_unmeasured_reason": None if timing["decode_tok_per_s"] else timing["decode_unmeasured_reason"],
+        "prompt_tokens": raw["prompt_tokens"],
+        "output_tokens": raw["completion_tokens"],
+        "first_chunk_tokens": raw["first_chunk_tokens"],
+        "finish_reason": raw["finish_reason"],
+        "chunks": raw["chunks"],
+        "choice_chunks": [round(t, 6) for t in raw["choice_chunks"]],
+        "output_sha256": hashlib.sha256(json.dumps(raw["token_ids"]).encode()).hexdigest() if raw["ok"] else None,
+        "token_ids": raw["token_ids"],
+        "text": raw["text"],
+    }
+
+
+def summarize(
+    records: list[dict], duration: float | None, spec: dict | None, generated: float | None, engine_decode: float | None
+) -> dict:
+    """The run's figures. ttft_ms / tpot_ms / itl_ms / e2el_ms follow `vllm bench serve`'s
+    calculate_metrics: TTFT and E2EL of every completed request, TPOT of those with more than one
+    output token, ITL pooled over all requests' chunk gaps."""
+    ok = [r for r in records if r["ok"]]
+    output_tokens = sum(r["output_tokens"] for r in records)
+    rates = [r["decode_tok_per_s"] for r in ok if r["decode_tok_per_s"]]
+    unmeasured = [r for r in ok if not r["decode_tok_per_s"]]
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "output_tokens": output_tokens,
+        "duration_s": duration,
+        "aggregate_output_tok_per_s": output_tokens / duration if duration else None,
+        "decode_tok_per_s": vllm_client.rate_stats(rates, len(unmeasured)),
+        "decode_unmeasured": [{"index": r["index"], "reason": r["decode_unmeasured_reason"]} for r in unmeasured],
+        "ttft_s": vllm_client.stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+        "ttft_ms": vllm_client.latency_stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+        "tpot_ms": vllm_client.latency_stats([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+        "itl_ms": vllm_client.latency_stats([gap for r in ok for gap in r["itl_s"]]),
+        "e2el_ms": vllm_client.latency_stats([r["latency_s"] for r in ok if r["latency_s"] is not None]),
+        "engine_decode_tok_per_s": engine_decode,
+        "spec_decode": spec,
+        "generation_tokens_counted_by_server": generated,
+    }
+
+
+def _fmt(value, spec=".1f"):
+    return "-" if value is None else format(value, spec)
+
+
+def latency_line(name: str, figures: dict | None) -> str:
+    f = figures or {}
+    return (
+        f"  {name:<27}mean {_fmt(f.get('mean'), '.2f')}  p50 {_fmt(f.get('p50'), '.2f')}  "
+        f"p90 {_fmt(f.get('p90'), '.2f')}  p99 {_fmt(f.get('p99'), '.2f')}  (n {f.get('n', 0)})"
+    )
+
+
+def print_table(result: dict, out=sys.stdout) -> None:
+    s = result["summary"]
+    cfg = result["config"]
+    dec = s["decode_tok_per_s"] or {}
+    spec = s["spec_decode"] or {}
+    print(f"bench_decode  {result['label'] or ''}  status={result['status']}", file=out)
+    print(
+        f"  requests {s['completed']}/{s['requests']} ok at concurrency {cfg['concurrency']}, "
+        f"max_tokens {cfg['max_tokens']}, {s['output_tokens']} output tokens in {_fmt(s['duration_s'], '.2f')} s",
+        file=out,
+    )
+    print(latency_line("TTFT ms", s["ttft_ms"]), file=out)
+    print(latency_line("TPOT ms", s["tpot_ms"]), file=out)
+    print(latency_line("ITL ms (per chunk)", s["itl_ms"]), file=out)
+    print(
+        f"  decode tok/s per request   median {_fmt(dec.get('median'))}  p10 {_fmt(dec.get('p10'))}  "
+        f"p90 {_fmt(dec.get('p90'))}  harmonic mean {_fmt(dec.get('harmonic_mean'))}  "
+        f"(measured {dec.get('n', 0)} of {s['completed']})",
+        file=out,
+    )
+    for item in s["decode_unmeasured"]:
+        print(f"    request {item['index']}: decode unmeasured: {item['reason']}", file=out)
+    print(f"  decode tok/s, engine times {_fmt(s['engine_decode_tok_per_s'])}", file=out)
+    print(f"  aggregate output tok/s     {_fmt(s['aggregate_output_tok_per_s'])}", file=out)
+    if spec:
+        per_pos = " ".join(f"{x:.3f}" for x in spec["per_position_acceptance"] or [])
+        print(
+            f"  MTP acceptance length      {_fmt(spec['acceptance_length'], '.3f')}  "
+            f"rate {_fmt(spec['acceptance_rate'], '.3f')}  per position [{per_pos}]",
+            file=out,
+        )
+    else:
+        print("  MTP                        off (no speculative-decoding counters on /metrics)", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="bench_decode.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8100", help="server base URL (default: %(default)s)")
+    parser.add_argument("--model", help="model name to request (default: the first one on /v1/models)")
+    parser.add_argument("-n", "--num-prompts", type=int, default=8, help="measured requests (default: %(default)s)")
+    parser.add_argument("-c", "--concurrency", type=int, default=1, help="requests in flight (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens per request (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests first (default: %(default)s)")
+    parser.add_argument("--prompts", metavar="FILE", help="JSONL/JSON prompts (default: the built-in set)")
+    parser.add_argument("--thinking", action="store_true", help="let the model think (default: thinking off)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (default: off)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s)")
+    parser.add_argument(
+        "--min-decode-interval-ms",
+        type=float,
+        default=vllm_client.MIN_DECODE_INTERVAL_S * 1000,
+        help="a request whose tokens after the first arrive within this time of it (one burst) gets no "
+        "decode tok/s (default: %(default)s)",
+    )
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per request (default: %(default)s)")
+    parser.add_argument("--label", default="", help="configuration name shown in tables and the report")
+    parser.add_argument("--output", metavar="JSON", help="write the results here (default: table only)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.warmup < 0:
+        parser.error("--num-prompts, --concurrency and --max-tokens must be >= 1, --warmup >= 0")
+    vllm_client.refuse_overwrite(args.output, args.force)
+    base = args.url.rstrip("/")
+    prompts, source = load_prompts(args.prompts)
+
+    if not vllm_client.server_alive(base):
+        print(f"error: no healthy vLLM server at {base} (GET /health failed)", file=sys.stderr)
+        return 2
+    model = args.model or vllm_client.served_model(base)
+    result = {
+        "schema": SCHEMA,
+        "tool": "bench_decode.py",
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "label": args.label,
+        "status": "running",
+        "server": {"url": base, "model": model, "vllm_version": vllm_client.server_version(base)},
+        "config": {
+            "num_prompts": args.num_prompts,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "warmup": args.warmup,
+            "thinking": args.thinking,
+            "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
+            "prompts": source,
+            "prompt_count": len(prompts),
+            "min_decode_interval_ms": args.min_decode_interval_ms,
+        },
+        "summary": None,
+        "metrics_delta": None,
+        "records": [],
+    }
+
+    for i in range(args.warmup):
+        raw = vllm_client.stream_chat(base, request_body(args, model, prompts[i % len(prompts)]), args.timeout)
+        if not raw["ok"] and raw["server_gone"] and not vllm_client.server_alive(base):
+            print(f"error: the server died during the warm-up ({raw['error']})", file=sys.stderr)
+            result["status"] = "server-died"
+            result["summary"] = summarize([], None, None, None, None)
+            if args.output:
+                vllm_client.write_json(args.output, result)
+            return 3
+
+    metrics_before = vllm_client.http_get(base + "/metrics")
+    records: list[dict] = []
+    lock = threading.Lock()
+    next_index = iter(range(args.num_prompts))
+    stop = threading.Event()
+    show_progress = sys.stderr.isatty()
+    t0 = time.perf_counter()
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                index = next(next_index, None)
+            if index is None:
+                return
+            prompt_id = index % len(prompts)
+            raw = vllm_client.stream_chat(base, request_body(args, model, prompts[prompt_id]), args.timeout)
+            record = finish_record(index, prompt_id, raw, t0, args.min_decode_interval_ms / 1000)
+            with lock:
+                records.append(record)
+                done = len(records)
+            if show_progress:
+                print(f"\r  {done}/{args.num_prompts} requests", end="", file=sys.stderr, flush=True)
+            if not raw["ok"] and raw["server_gone"] and not vllm_client.server_alive(base):
+                stop.set()
+
+    status = vllm_client.run_workers(args.concurrency, worker, stop)
+    if show_progress:
+        print(file=sys.stderr)
+    ends = [r["end_s"] for r in records if r["end_s"] is not None]
+    duration = max(ends) if ends else None
+    records.sort(key=lambda r: r["index"])
+
+    spec, deltas, generated, engine_decode = None, {}, None, None
+    if status == "complete":
+        try:
+            metrics_after = vllm_client.http_get(base + "/metrics")
+            spec = vllm_client.spec_decode_figures(metrics_before, metrics_after)
+            deltas = vllm_client.counter_deltas(metrics_before, metrics_after)
+            generated = vllm_client.metric_delta(metrics_before, metrics_after, vllm_client.GENERATION_TOKENS)
+            engine_decode = vllm_client.engine_decode_rate(metrics_before, metrics_after)
+        except OSError as e:
+            print(f"warning: /metrics after the run failed: {e}", file=sys.stderr)
+    result["status"] = status
+    result["summary"] = summarize(records, duration, spec, generated, engine_decode)
+    result["metrics_delta"] = deltas or None
+    result["records"] = records
+    if args.output:
+        vllm_client.write_json(args.output, result)
+    print_table(result)
+    if status == "server-died":
+        print(f"error: the server at {base} stopped answering; partial results written", file=sys.stderr)
+        return 3
+    if status == "interrupted":
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Read a vLLM server log and state which optimizations are really active.
+
+A benchmark of "the optimized server" is worthless if the server in fact ran the baseline: a
+patch not applied, an override ignored, a draft head silently replaced by the target's. This
+reads what the server itself printed and reports, with the line that proves it:
+
+- MTP speculative decoding: on (k tokens) or off;
+- the MTP draft head: pruned to a keep-set (both lines the mtp_pruning patch prints: the head
+  built with K rows, then still in place after vLLM decided lm_head sharing), or the full
+  vocabulary shared with the target;
+- ple_mmap (n-gram table on disk): asked for through --hf-overrides, and whether the ple_ssd
+  patch acknowledged it;
+- the CUDA-graph mode vLLM settled on (FULL_AND_PIECEWISE, PIECEWISE, NONE, ...), and eager mode;
+- prefix caching; the memory guard; the patch status serve.sh wrote at the top of the log;
+- the memory figures vLLM logged (weights, KV cache) and whether start-up completed.
+
+    python3 magpie log-check server.log
+    python3 magpie log-check server.log --expect mtp=3 --expect draft_head=pruned --json
+
+`--expect FEATURE=STATE` makes the exit status 1 unless the log shows that state (features:
+mtp, draft_head, ple_mmap, cudagraph_mode, prefix_caching, memguard, watchdog, startup). The patterns are
+the table PATTERNS below (vLLM 0.29.0's and the patches' own log lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+SCHEMA = "flash-next/log-check/1"
+
+PATTERNS = {
+    # vLLM 0.29.0, vllm/v1/engine/core.py: "Initializing a V1 LLM engine (v0.29.0) with config: ..."
+    "engine_config": re.compile(r"Initializing a V1 LLM engine \((?P<version>[^)]*)\) with config: (?P<config>.*)"),
+    "spec_config": re.compile(r"speculative_config=(?:SpeculativeConfig\((?P<spec>[^)]*)\)|None)"),
+    "spec_method": re.compile(r"method='(?P<method>[^']+)'"),
+    "spec_tokens": re.compile(r"num_spec_tokens=(?P<k>\d+)"),
+    "cudagraph_mode": re.compile(r"'cudagraph_mode': <CUDAGraphMode\.(?P<mode>\w+): \d+>"),
+    "enforce_eager": re.compile(r"enforce_eager=(?P<eager>True|False)"),
+    "prefix_caching": re.compile(r"enable_prefix_caching=(?P<on>True|False)"),
+    # vllm/entrypoints/... "non-default args: {...}" (the arguments the user gave)
+    "non_default_args": re.compile(r"non-default args: (?P<args>\{.*\})"),
+    "hf_overrides_ple": re.compile(r"'hf_overrides': \{[^}]*'ple_mmap': (?P<on>True|False)"),
+    # Draft head: vLLM shares the target's lm_head with an MTP draft that has none of its own ...
+    "head_shared": re.compile(r"Detected MTP model\. Sharing target model lm_head weights with the draft model"),
+    # ... and the mtp_pruning patch's two lines (vllm/v1/spec_decode/draft_vocab.py).
+    "pruned_built": re.compile(
+        r"MTP draft vocab pruned: (?P<keep>[\d,]+) of (?P<vocab>[\d,]+) ids \((?P<share>[^)]*)\), "
+        r"keep-set (?P<path>\S+)"
+    ),
+    "pruned_in_use": re.compile(r"MTP draft vocab pruned head in use: (?P<detail>.*)"),
+    # The ple_ssd patches (vllm/models/qwen4_exp/): the config hook, then one line per table loaded.
+    # 0001 alone gathers rows inside the forward (a splitting op, PIECEWISE graphs); with 0002 the rows
+    # are staged before the forward. Either way the table line says it is served from the mappings.
+    "ple_hook": re.compile(
+        r"ple_mmap: the PLE n-gram table stays in the checkpoint's memory mappings.*cudagraph_mode (?P<mode>\w+)"
+    ),
+    "ple_active": re.compile(
+        r"ple_mmap: (?P<table>\S+) served from the checkpoint's memory mappings \((?P<desc>.*)\), MADV_RANDOM; "
+        r"(?P<how>rows gathered per step by the custom op|rows staged before each forward)"
+    ),
+    "ple_staging": re.compile(r"ple_mmap: Qwen4ExpModelState\.prepare_inputs stages PLE rows for (?P<n>\d+) layer"),
+    # Memory and start-up.
+    "weights": re.compile(r"Model loading took (?P<gib>[\d.]+) GiB memory and (?P<s>[\d.]+) seconds"),
+    "kv_memory": re.compile(r"Available KV cache memory: (?P<gib>[\d.]+) GiB"),
+    "cpu_kv_memory": re.compile(r"Explicitly set \((?P<gib>[\d.]+)/[\d.]+\) GiB for KV cache"),
+    "kv_tokens": re.compile(
+        r"KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency for (?P<len>[\d,]+) tokens per request: "
+        r"(?P<x>[\d.]+)x"
+    ),
+    "init_engine": re.compile(r"init engine \(profile, create kv cache, warmup model\) took (?P<s>[\d.]+) s"),
+    "startup_complete": re.compile(r"Application startup complete"),
+    # serve.sh's header and the memory guard (magpie/serving/).
+    "serve_header": re.compile(r"^# (?P<key>[a-z][a-z -]*): (?P<value>.*)$"),
+    "patch_row": re.compile(r"^# patches:\s+(?P<name>\S+\.patch)\s+(?P<state>applied|not applied|conflicting)"),
+    "memguard_on": re.compile(r"\[memguard [^\]]*\] guarding server PID (?P<pid>\d+)"),
+    "memguard_stopped": re.compile(r"\[memguard [^\]]*\] (?P<line>.*: stopping .*)"),
+    "watchdog_on": re.compile(r"\[watchdog [^\]]*\] "),
+    "watchdog_stalled": re.compile(r"\[watchdog [^\]]*\] (?P<line>stalled engine: .*)"),
+    "serve_restart": re.compile(r"^# serve\.sh: restart (?P<n>\d+) of (?P<of>\d+)"),
+}
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def check(lines: list[str]) -> dict:
+    found: dict[str, list[tuple[int, re.Match]]] = {name: [] for name in PATTERNS}
+    for number, line in enumerate(lines, 1):
+        for name, regex in PATTERNS.items():
+            match = regex.search(line)
+            if match:
+                found[name].append((number, match))
+
+    def first(name):
+        return found[name][0] if found[name] else (None, None)
+
+    def evidence(number):
+        return f"line {number}: {lines[number - 1].strip()[:200]}" if number else None
+
+    features: dict[str, dict] = {}
+
+    # MTP
+    number, match = first("engine_config")
+    spec_number, spec = first("spec_config")
+    if spec is not None and spec.group("spec") is not None:
+        method = PATTERNS["spec_method"].search(spec.group("spec"))
+        tokens = PATTERNS["spec_tokens"].search(spec.group("spec"))
+        features["mtp"] = {
+            "state": "on"
+            if method and method.group("method") == "mtp"
+            else (method.group("method") if method else "on"),
+            "num_speculative_tokens": int(tokens.group("k")) if tokens else None,
+            "evidence": evidence(spec_number),
+        }
+    elif spec is not None:
+        features["mtp"] = {"state": "off", "num_speculative_tokens": 0, "evidence": evidence(spec_number)}
+    else:
+        features["mtp"] = {"state": "unknown", "evidence": "no engine configuration line (did the server start?)"}
+
+    # Draft head
+    built_number, built = first("pruned_built")
+    use_number, in_use = first("pruned_in_use")
+    shared_number, _ = first("head_shared")
+    if built and in_use:
+        features["draft_head"] = {
+            "state": "pruned",
+            "keep_ids": int(_num(built.group("keep"))),
+            "vocab_size": int(_num(built.group("vocab"))),
+            "keep_set": built.group("path").rstrip(",;"),
+            "evidence": [evidence(built_number), evidence(use_number)],
+        }
+    elif built:
+        features["draft_head"] = {
+            "state": "pruned head built, not yet confirmed in use",
+            "keep_ids": int(_num(built.group("keep"))),
+            "evidence": [evidence(built_number)],
+            "note": "the second line appears at the first speculative step; send a request, then check again",
+        }
+    elif features["mtp"]["state"] == "off":
+        features["draft_head"] = {"state": "none (MTP off)", "evidence": None}
+    elif shared_number:
+        features["draft_head"] = {"state": "full (shared with the target)", "evidence": evidence(shared_number)}
+    else:
+        features["draft_head"] = {"state": "unknown", "evidence": None}
+
+    # ple_mmap
+    asked_number, asked = first("hf_overrides_ple")
+    active_number, active = first("ple_active")
+    hook_number, _ = first("ple_hook")
+    staging_number, _ = first("ple_staging")
+    if active is not None:
+        staged = active.group("how").startswith("rows staged")
+        features["ple_mmap"] = {
+            "state": "on",
+            "tables": len(found["ple_active"]),
+            "rows": "staged before the forward (ple_ssd 0002)"
+            if staged
+            else "gathered inside the forward by a custom op (ple_ssd 0001 only; PIECEWISE graphs)",
+            "evidence": [evidence(n) for n in (asked_number, hook_number, active_number, staging_number) if n],
+        }
+    elif asked is not None and asked.group("on") == "True":
+        features["ple_mmap"] = {
+            "state": "requested, not confirmed",
+            "evidence": [evidence(n) for n in (asked_number, hook_number) if n],
+            "note": "ple_mmap was asked for, but no table line of the ple_ssd patch says the table is served "
+            "from the checkpoint's mappings (not applied, or the server stopped before loading)",
+        }
+    else:
+        features["ple_mmap"] = {"state": "off", "evidence": evidence(asked_number)}
+
+    # CUDA graphs, eager, prefix caching (all in the engine configuration line)
+    config_text = match.group("config") if match else ""
+    mode = PATTERNS["cudagraph_mode"].search(config_text)
+    eager = PATTERNS["enforce_eager"].search(config_text)
+    prefix = PATTERNS["prefix_caching"].search(config_text)
+    features["cudagraph_mode"] = {
+        "state": mode.group("mode") if mode else "unknown",
+        "enforce_eager": eager.group("eager") == "True" if eager else None,
+        "evidence": evidence(number),
+    }
+    features["prefix_caching"] = {
+        "state": ("on" if prefix.group("on") == "True" else "off") if prefix else "unknown",
+        "evidence": evidence(number),
+    }
+
+    # Memory guard, start-up
+    guard_number, _ = first("memguard_on")
+    stop_number, _ = first("memguard_stopped")
+    features["memguard"] = {
+        "state": "stopped the server" if stop_number else ("on" if guard_number else "off"),
+        "evidence": evidence(stop_number or guard_number),
+    }
+    watch_number, _ = first("watchdog_on")
+    stall_number, _ = first("watchdog_stalled")
+    restarts = found["serve_restart"]
+    features["watchdog"] = {
+        "state": "found a stalled engine" if stall_number else ("on" if watch_number else "off"),
+        "restarts": len(restarts),
+        "evidence": evidence(stall_number or watch_number),
+    }
+    complete_number, _ = first("startup_complete")
+    features["startup"] = {
+        "state": "complete" if complete_number else "not complete",
+        "evidence": evidence(complete_number),
+    }
+
+    header = {}
+    for _, m in found["serve_header"]:
+        if m.group("key") != "patches":
+            header.setdefault(m.group("key"), m.group("value"))
+    patches = {m.group("name"): m.group("state") for _, m in found["patch_row"]}
+    memory = {}
+    for name, key, group in (
+        ("weights", "weights_gib", "gib"),
+        ("weights", "load_s", "s"),
+        ("kv_memory", "kv_cache_gib", "gib"),
+        ("cpu_kv_memory", "kv_cache_gib", "gib"),
+        ("kv_tokens", "kv_cache_tokens", "tokens"),
+        ("kv_tokens", "max_concurrency", "x"),
+        ("init_engine", "init_engine_s", "s"),
+    ):
+        if found[name] and key not in memory:
+            memory[key] = _num(found[name][0][1].group(group))
+    return {
+        "schema": SCHEMA,
+        "vllm_version": match.group("version") if match else None,
+        "features": features,
+        "serve_sh": {"header": header, "patches": patches} if header else None,
+        "memory": memory,
+        "summary": describe(features),
+    }
+
+
+def describe(features: dict) -> str:
+    mtp = features["mtp"]
+    parts = [f"MTP k={mtp['num_speculative_tokens']}" if mtp["state"] == "on" else f"MTP {mtp['state']}"]
+    if mtp["state"] == "on":
+        head = features["draft_head"]
+        parts.append(
+            f"pruned draft head ({head['keep_ids']} ids)"
+            if head["state"] == "pruned"
+            else f"draft head {head['state']}"
+        )
+    parts.append(f"ple_mmap {features['ple_mmap']['state']}")
+    parts.append(f"cudagraph {features['cudagraph_mode']['state']}")
+    parts.append(f"prefix caching {features['prefix_caching']['state']}")
+    return ", ".join(parts)
+
+
+def matches_expectation(features: dict, feature: str, wanted: str) -> bool:
+    info = features.get(feature)
+    if info is None:
+        return False
+    if feature == "mtp" and wanted.isdigit():
+        return info["state"] == "on" and info.get("num_speculative_tokens") == int(wanted)
+    if feature == "draft_head" and wanted == "full":
+        return info["state"].startswith("full")
+    return info["state"].lower() == wanted.lower()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="log_check.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("log", help="the server log (serve.sh's LOG, or any vLLM server output)")
+    parser.add_argument("--expect", action="append", default=[], metavar="FEATURE=STATE", help="require a state")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--output", metavar="JSON", help="also write the JSON here")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    args = parser.parse_args(argv)
+    if args.output and os.path.exists(args.output) and not args.force:
+        parser.error(f"--output {args.output} exists; pass --force to replace it")
+    with open(args.log, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    result = check(lines)
+    result["log"] = args.log
+    failures = []
+    for item in args.expect:
+        feature, _, wanted = item.partition("=")
+        if not wanted:
+            parser.error(f"--expect {item!r}: use FEATURE=STATE, e.g. mtp=3, draft_head=pruned, ple_mmap=on")
+        if not matches_expectation(result["features"], feature, wanted):
+            state = result["features"].get(feature, {}).get("state", "no such feature")
+            failures.append(f"{feature}: expected {wanted}, the log shows {state}")
+    result["expectations_failed"] = failures
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{args.log}: {result['summary']}")
+        for name, info in result["features"].items():
+            detail = {k: v for k, v in info.items() if k not in ("state", "evidence")}
+            extra = "  " + ", ".join(f"{k}={v}" for k, v in detail.items()) if detail else ""
+            print(f"  {name:15s} {info['state']}{extra}")
+            evidence = info.get("evidence")
+            for line in evidence if isinstance(evidence, list) else [evidence] if evidence else []:
+                print(f"  {'':15s}   {line[:150]}")
+        if result["serve_sh"] and result["serve_sh"]["patches"]:
+            print("  patches        " + ", ".join(f"{k}: {v}" for k, v in result["serve_sh"]["patches"].items()))
+        if result["memory"]:
+            print("  memory         " + ", ".join(f"{k}={v:g}" for k, v in result["memory"].items()))
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,634 @@
+#!/usr/bin/env python3
+"""Render the Flash-Next report (one self-contained HTML page) from result folders.
+
+A result folder is what run_suite.sh writes (suite.json, bench-c1.json, bench-c4.json,
+gsm8k.json, log_check.json; optionally profile/<window>/split.json from profile_capture.py).
+The page shows the seed GB10 figures (docs/data/flash-next-seed-gb10.json, attributed there)
+beside our own runs: headline tiles, decode tok/s by configuration, a memory ledger, the
+step-time breakdown and the table of runs; with `--sweep RUN_DIR` (sweep.py's run folders) also
+TPOT and TTFT by input length per configuration and concurrency. Charts are inline SVG; the page loads no font,
+script or image from anywhere.
+
+    python3 magpie report results/cpu-mtp results/cpu-pruned --output docs/flash-next-report.html
+
+Two text modes for scripts:
+    python3 magpie report --summary results/cpu-mtp          # one screen about one folder
+    python3 magpie report --compare results/a results/b      # side by side; outputs vs the first
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import html
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_SEED = os.path.normpath(os.path.join(HERE, "..", "..", "docs", "data", "flash-next-seed-gb10.json"))
+COLORS = ["#3b6ea8", "#e08a2e", "#4f9d69", "#b0485b", "#7c5ea8", "#8a8a8a"]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading result folders
+
+
+def _load(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def load_run(folder: str) -> dict:
+    suite = _load(os.path.join(folder, "suite.json")) or {}
+    bench1 = _load(os.path.join(folder, "bench-c1.json"))
+    bench4 = _load(os.path.join(folder, "bench-c4.json"))
+    gsm8k = _load(os.path.join(folder, "gsm8k.json"))
+    log_check = _load(os.path.join(folder, "log_check.json"))
+    if not any((bench1, bench4, gsm8k, log_check)):
+        raise SystemExit(f"error: {folder} holds no result file (bench-c1.json, bench-c4.json, gsm8k.json ...)")
+    splits = {}
+    for path in sorted(glob.glob(os.path.join(folder, "profile", "*", "split.json"))):
+        traces = [t for t in (_load(path) or {}).get("traces", []) if t.get("summary")]
+        if traces:
+            splits[os.path.basename(os.path.dirname(path))] = traces[0]
+    label = suite.get("label") or (bench1 or bench4 or gsm8k or {}).get("label") or os.path.basename(folder.rstrip("/"))
+    spec = (bench1 or {}).get("summary", {}).get("spec_decode") if bench1 else None
+    return {
+        "folder": folder,
+        "label": label,
+        "suite": suite,
+        "bench_c1": bench1,
+        "bench_c4": bench4,
+        "gsm8k": gsm8k,
+        "log_check": log_check,
+        "splits": splits,
+        # The engine's timestamps when the server exports them (a starved front-end delivers chunks in
+        # bursts, which distorts client-side timing); else the client-side median.
+        "c1_decode_tok_s": _get(bench1, "summary", "engine_decode_tok_per_s")
+        or _get(bench1, "summary", "decode_tok_per_s", "median"),
+        "c1_decode_client_tok_s": _get(bench1, "summary", "decode_tok_per_s", "median"),
+        "c1_aggregate_tok_s": _get(bench1, "summary", "aggregate_output_tok_per_s"),
+        "c4_aggregate_tok_s": _get(bench4, "summary", "aggregate_output_tok_per_s"),
+        "acceptance_length": spec.get("acceptance_length") if spec else None,
+        "acceptance_rate": spec.get("acceptance_rate") if spec else None,
+        "per_position": spec.get("per_position_acceptance") if spec else None,
+        "gsm8k_accuracy": _get(gsm8k, "summary", "accuracy"),
+        "gsm8k_n": _get(gsm8k, "summary", "problems"),
+        "configuration": _get(log_check, "summary"),
+        "host": suite.get("host") or {},
+    }
+
+
+def _get(obj, *keys):
+    for key in keys:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def identical_outputs(base: dict, other: dict, bench: str = "bench_c1") -> tuple[int, int]:
+    """(prompts compared, prompts whose output token ids are identical) between two runs' benches."""
+    a, b = base.get(bench), other.get(bench)
+    if not a or not b:
+        return 0, 0
+    first = {r["index"]: r for r in a["records"] if r["ok"]}
+    compared = same = 0
+    for record in b["records"]:
+        match = first.get(record["index"])
+        if record["ok"] and match and match["prompt_id"] == record["prompt_id"]:
+            compared += 1
+            same += match["token_ids"] == record["token_ids"]
+    return compared, same
+
+
+def identical_text(base: dict, other: dict) -> str:
+    compared, same = identical_outputs(base, other)
+    if compared == 0:
+        return "n/a"
+    return "yes" if same == compared else f"no ({compared - same} of {compared} differ)"
+
+
+# --------------------------------------------------------------------------------------------
+# Text modes
+
+
+def _fmt(value, spec=".1f", suffix=""):
+    return "-" if value is None else f"{format(value, spec)}{suffix}"
+
+
+def summary_text(run: dict) -> str:
+    lines = [f"{run['label']}  ({run['folder']})"]
+    if run["configuration"]:
+        lines.append(f"  server: {run['configuration']}")
+    failed = (run["log_check"] or {}).get("expectations_failed") or []
+    for failure in failed:
+        lines.append(f"  WARNING: the log does not show the expected configuration: {failure}")
+    for name, bench in (("c=1", run["bench_c1"]), ("c=4", run["bench_c4"])):
+        if not bench:
+            lines.append(f"  bench {name}: missing")
+            continue
+        s = bench["summary"]
+        decode = s["decode_tok_per_s"] or {}
+        lines.append(
+            f"  bench {name}: {s['completed']}/{s['requests']} ok ({bench['status']}), "
+            f"decode {_fmt(s.get('engine_decode_tok_per_s'))} tok/s (engine times), {_fmt(decode.get('median'))} "
+            f"client-side median, aggregate {_fmt(s['aggregate_output_tok_per_s'])} tok/s, "
+            f"TTFT {_fmt((s['ttft_s'] or {}).get('median'), '.3f')} s, "
+            f"TPOT p50 {_fmt((s.get('tpot_ms') or {}).get('p50'), '.2f')} ms, "
+            f"ITL p50 {_fmt((s.get('itl_ms') or {}).get('p50'), '.2f')} ms"
+            + (f", {decode['unmeasured']} unmeasured (one burst)" if decode.get("unmeasured") else "")
+        )
+        spec = s["spec_decode"]
+        if spec:
+            positions = " ".join(f"{x:.2f}" for x in spec["per_position_acceptance"] or [])
+            lines.append(
+                f"           MTP acceptance length {_fmt(spec['acceptance_length'], '.3f')}, "
+                f"rate {_fmt(spec['acceptance_rate'], '.3f')}, per position [{positions}]"
+            )
+    gsm8k = run["gsm8k"]
+    if gsm8k:
+        s = gsm8k["summary"]
+        lines.append(
+            f"  GSM8K: {s['accuracy'] * 100:.1f} % of {s['problems']} ({gsm8k['status']}), {s['truncated']} truncated, "
+            f"{_fmt(s['output_tok_per_s'])} tok/s; data set sha256 {gsm8k['dataset']['sha256'][:12]}"
+        )
+    else:
+        lines.append("  GSM8K: not run")
+    memory = (run["log_check"] or {}).get("memory") or {}
+    if memory:
+        lines.append("  memory: " + ", ".join(f"{k} {v:g}" for k, v in memory.items()))
+    for window, trace in run["splits"].items():
+        s = trace["summary"]
+        lines.append(
+            f"  profile {window}: {s['step_ms_median']:.2f} ms/step, "
+            + ", ".join(f"{k} {v * 100:.0f} %" for k, v in s["share"].items())
+        )
+    return "\n".join(lines)
+
+
+def compare_text(runs: list[dict]) -> str:
+    header = ["configuration", "c=1 tok/s", "c=4 tok/s", "accept. L", "accept. rate", "GSM8K", "identical outputs"]
+    rows = []
+    for run in runs:
+        rows.append(
+            [
+                run["label"],
+                _fmt(run["c1_decode_tok_s"]),
+                _fmt(run["c4_aggregate_tok_s"]),
+                _fmt(run["acceptance_length"], ".2f"),
+                _fmt(run["acceptance_rate"], ".3f"),
+                "-" if run["gsm8k_accuracy"] is None else f"{run['gsm8k_accuracy'] * 100:.1f} %",
+                "(reference)" if run is runs[0] else identical_text(runs[0], run),
+            ]
+        )
+    widths = [max(len(str(row[i])) for row in [header] + rows) for i in range(len(header))]
+    out = ["  ".join(str(cell).ljust(width) for cell, width in zip(header, widths, strict=True))]
+    out.append("  ".join("-" * width for width in widths))
+    out += ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# SVG
+
+
+def _e(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def bar_chart(rows: list[tuple[str, dict[str, float | None]]], series: list[str], unit: str, width: int = 760) -> str:
+    """Horizontal grouped bars: one group per row, one bar per series."""
+    label_w, bar_h, gap, pad = 260, 16, 10, 70
+    values = [v for _, vals in rows for v in vals.values() if v is not None]
+    if not values:
+        return "<p class=note>no figures</p>"
+    top = max(values) * 1.05 or 1.0
+    plot_w = width - label_w - pad
+    group_h = bar_h * len(series) + gap
+    height = group_h * len(rows) + 30
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">']
+    for i, (label, vals) in enumerate(rows):
+        y0 = i * group_h + 4
+        parts.append(
+            f'<text x="{label_w - 8}" y="{y0 + group_h / 2}" text-anchor="end" dominant-baseline="middle" '
+            f'class="lbl">{_e(label)}</text>'
+        )
+        for j, name in enumerate(series):
+            value = vals.get(name)
+            y = y0 + j * bar_h
+            if value is None:
+                parts.append(f'<text x="{label_w + 4}" y="{y + bar_h - 4}" class="val">{_e(name)}: -</text>')
+                continue
+            w = max(1.0, plot_w * value / top)
+            parts.append(
+                f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h - 2}" fill="{COLORS[j % len(COLORS)]}">'
+                f"<title>{_e(label)} {_e(name)}: {value:.1f} {_e(unit)}</title></rect>"
+            )
+            parts.append(f'<text x="{label_w + w + 4:.1f}" y="{y + bar_h - 4}" class="val">{value:.1f}</text>')
+    legend_y = len(rows) * group_h + 20
+    x = label_w
+    for j, name in enumerate(series):
+        parts.append(f'<rect x="{x}" y="{legend_y - 10}" width="12" height="12" fill="{COLORS[j % len(COLORS)]}"/>')
+        parts.append(f'<text x="{x + 16}" y="{legend_y}" class="val">{_e(name)} ({_e(unit)})</text>')
+        x += 30 + 8 * len(name) + 8 * len(unit)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def stacked_bar(segments: list[tuple[str, float]], total: float, unit: str, width: int = 760) -> str:
+    """One horizontal bar of `total`, split into segments; a legend underneath."""
+    bar_w, height = width - 20, 40 + 20 * len(segments)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">']
+    parts.append(f'<rect x="0" y="0" width="{bar_w}" height="24" fill="#eeeeee" stroke="#999"/>')
+    x = 0.0
+    for i, (label, value) in enumerate(segments):
+        w = bar_w * max(value, 0) / total if total else 0
+        parts.append(
+            f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="24" fill="{COLORS[i % len(COLORS)]}">'
+            f"<title>{_e(label)}: {value:.2f} {_e(unit)}</title></rect>"
+        )
+        x += w
+    for i, (label, value) in enumerate(segments):
+        y = 44 + 20 * i
+        parts.append(f'<rect x="0" y="{y - 11}" width="12" height="12" fill="{COLORS[i % len(COLORS)]}"/>')
+        parts.append(
+            f'<text x="18" y="{y}" class="val">{_e(label)}: {value:.2f} {_e(unit)} ({value / total:.0%})</text>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def line_chart(lines: list[tuple[str, list[tuple[float, float]]]], x_label: str, y_label: str, width: int = 760) -> str:
+    """Lines of (x, y) points; x on a log2 axis (input lengths double), y linear from 0."""
+    import math
+
+    points = [p for _, pts in lines for p in pts if p[1] is not None]
+    if not points:
+        return "<p class=note>no figures</p>"
+    left, right, top, bottom, height = 70, 190, 14, 40, 300
+    xs = sorted({p[0] for p in points})
+    lo, hi = math.log2(xs[0]), math.log2(xs[-1])
+    y_top = max(p[1] for p in points) * 1.1 or 1.0
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x):
+        return left + (plot_w * (math.log2(x) - lo) / (hi - lo) if hi > lo else plot_w / 2)
+
+    def sy(y):
+        return top + plot_h * (1 - y / y_top)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">']
+    parts.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>')
+    for x in xs:
+        parts.append(f'<text x="{sx(x):.1f}" y="{top + plot_h + 16}" text-anchor="middle" class="val">{x:g}</text>')
+    for i in range(5):
+        y = y_top * i / 4
+        parts.append(f'<text x="{left - 6}" y="{sy(y) + 4:.1f}" text-anchor="end" class="val">{y:.3g}</text>')
+        parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" stroke="#eee"/>')
+    parts.append(
+        f'<text x="{left + plot_w / 2}" y="{height - 6}" text-anchor="middle" class="lbl">{_e(x_label)}</text>'
+    )
+    parts.append(f'<text x="12" y="{top + plot_h / 2}" class="lbl" transform="rotate(-90 12 {top + plot_h / 2})" '
+                 f'text-anchor="middle">{_e(y_label)}</text>')  # fmt: skip
+    for j, (label, pts) in enumerate(lines):
+        color = COLORS[j % len(COLORS)]
+        coords = [(sx(x), sy(y)) for x, y in sorted(pts) if y is not None]
+        if len(coords) > 1:
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        for (x, y), (vx, vy) in zip(coords, sorted(p for p in pts if p[1] is not None), strict=True):
+            parts.append(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{color}"><title>{_e(label)}: {vy:.3g} '
+                f"{_e(y_label)} at {vx:g}</title></circle>"
+            )
+        ly = top + 12 + 18 * j
+        parts.append(f'<rect x="{left + plot_w + 12}" y="{ly - 10}" width="12" height="12" fill="{color}"/>')
+        parts.append(f'<text x="{left + plot_w + 28}" y="{ly}" class="val">{_e(label)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def load_sweep(folder: str) -> dict:
+    document = _load(os.path.join(folder, "results.json"))
+    if not document or document.get("schema") != "flash-next/sweep/1":
+        raise SystemExit(f"error: {folder}/results.json is missing or not a sweep.py result (flash-next/sweep/1)")
+    document["folder"] = folder
+    return document
+
+
+def sweep_section(sweep: dict) -> list[str]:
+    host = sweep.get("host") or {}
+    settings = sweep["settings"]
+    body = [
+        f"<h3>Sweep {_e(os.path.relpath(sweep['folder']))}: {sweep['points_complete']} of "
+        f"{sweep['points_expected']} runs ({_e(sweep['status'])}), {_e(host.get('name', '?'))} "
+        f"({_e(host.get('machine', '?'))}, {_e(host.get('cpus', '?'))} CPUs)</h3>",
+        f'<p class="note">{settings["output_len"]} output tokens per request, {_e(settings["prompt_style"])} '
+        f"prompts, {settings['prompts_per_point']} requests per run; TTFT, TPOT and ITL as vllm bench serve "
+        "defines them, pooled over repeats; prefix cache reset before every run.</p>",
+    ]
+    groups: dict[str, list[tuple[float, float]]] = {}
+    ttft: dict[str, list[tuple[float, float]]] = {}
+    for row in sweep["summary"]:
+        key = f"{row['config']} c={row['concurrency']}"
+        groups.setdefault(key, []).append((row["input_len"], row["tpot_p50_ms"]))
+        ttft.setdefault(key, []).append((row["input_len"], row["ttft_p50_ms"]))
+    body.append(line_chart(list(groups.items()), "input length (tokens)", "TPOT p50 (ms)"))
+    body.append(line_chart(list(ttft.items()), "input length (tokens)", "TTFT p50 (ms)"))
+    body.append(
+        "<table><tr><th>config</th><th>input</th><th>c</th><th>repeats</th><th>TTFT p50 / p99 ms</th>"
+        "<th>TPOT p50 / p99 ms</th><th>ITL p50 / p99 ms</th><th>decode tok/s (median)</th>"
+        "<th>aggregate tok/s</th><th>acceptance L</th></tr>"
+    )
+    for row in sweep["summary"]:
+        body.append(
+            f"<tr><td>{_e(row['config'])}</td><td class=n>{row['input_len']}</td><td class=n>{row['concurrency']}</td>"
+            f"<td class=n>{row['repeats']}</td>"
+            f"<td class=n>{_fmt(row['ttft_p50_ms'])} / {_fmt(row['ttft_p99_ms'])}</td>"
+            f"<td class=n>{_fmt(row['tpot_p50_ms'], '.2f')} / {_fmt(row['tpot_p99_ms'], '.2f')}</td>"
+            f"<td class=n>{_fmt(row['itl_p50_ms'], '.2f')} / {_fmt(row['itl_p99_ms'], '.2f')}</td>"
+            f"<td class=n>{_fmt(row['decode_tok_s_median'])}"
+            + (f" ({row['decode_unmeasured']} unmeasured)" if row["decode_unmeasured"] else "")
+            + f"</td><td class=n>{_fmt(row['aggregate_tok_s_median'])}</td>"
+            f"<td class=n>{_fmt(row['acceptance_length'], '.2f')}</td></tr>"
+        )
+    body.append("</table>")
+    return body
+
+
+# --------------------------------------------------------------------------------------------
+# HTML
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; margin: 24px auto;
+       max-width: 1040px; color: #1d1d1f; padding: 0 16px; }
+h1 { font-size: 24px; margin-bottom: 4px; } h2 { font-size: 18px; margin-top: 32px; border-bottom: 1px solid #ddd; }
+h3 { font-size: 15px; margin: 18px 0 6px; }
+.sub { color: #555; font-size: 13px; }
+.tiles { display: grid; grid-template-columns: repeat(auto-fill, minmax(180px, 1fr)); gap: 10px; margin: 10px 0; }
+.tile { border: 1px solid #d9d9d9; border-radius: 8px; padding: 10px 12px; background: #fafafa; }
+.tile .v { font-size: 22px; font-weight: 600; } .tile .k { font-size: 12px; color: #555; }
+.tile .s { font-size: 11px; color: #777; margin-top: 2px; }
+table { border-collapse: collapse; font-size: 13px; width: 100%; margin-top: 8px; }
+th, td { border-bottom: 1px solid #e3e3e3; padding: 5px 8px; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
+.lbl { font-size: 12px; fill: #1d1d1f; } .val { font-size: 11px; fill: #333; }
+.note { color: #666; font-size: 12px; } .warn { color: #a33; font-size: 12px; }
+"""
+
+
+def tile(value: str, key: str, sub: str = "") -> str:
+    return (
+        f'<div class="tile"><div class="v">{_e(value)}</div><div class="k">{_e(key)}</div>'
+        f'<div class="s">{_e(sub)}</div></div>'
+    )
+
+
+def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] | None = None) -> str:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    body = [f"<h1>{_e(title)}</h1>"]
+    sources = ", ".join(os.path.relpath(r["folder"]) for r in runs) or "none"
+    body.append(
+        f'<p class="sub">Generated by magpie/measure/report.py on {now} from result folders: {_e(sources)}'
+        + ("; seed figures: docs/data/flash-next-seed-gb10.json" if seed else "")
+        + ".</p>"
+    )
+
+    # Headline tiles
+    body.append("<h2>Headline numbers</h2>")
+    if seed:
+        best = max(seed["configurations"], key=lambda c: c["c1_decode_tok_s"] or 0)
+        ledger = seed["memory_ledger_gb"]
+        body.append(f"<h3>Seed: {_e(seed['model']['name'])} on {_e(seed['platform']['name'])}</h3><div class=tiles>")
+        body.append(tile(f"{best['c1_decode_tok_s']:.1f} tok/s", "decode at c=1", best["label"]))
+        body.append(tile(f"{best['c4_aggregate_tok_s']:.1f} tok/s", "aggregate at c=4", best["label"]))
+        body.append(tile(f"{best['acceptance_length']:.2f}", "MTP acceptance length (c=1)", best["label"]))
+        body.append(tile(f"{best['gsm8k_accuracy'] * 100:.1f} %", "GSM8K", "zero-shot, greedy"))
+        body.append(tile(f"{ledger['used_after_load']} / {ledger['total']} GB", "memory used after load", "unified"))
+        body.append("</div>")
+    if runs:
+        body.append("<h3>Our runs</h3><div class=tiles>")
+        for run in runs:
+            host = run["host"]
+            sub = f"{host.get('name', '?')} ({host.get('machine', '?')}, {host.get('cpus', '?')} CPUs)"
+            body.append(tile(f"{_fmt(run['c1_decode_tok_s'])} tok/s", f"{run['label']}: decode at c=1", sub))
+        best = max(runs, key=lambda r: r["acceptance_length"] or 0)
+        if best["acceptance_length"]:
+            body.append(tile(f"{best['acceptance_length']:.2f}", f"{best['label']}: MTP acceptance length", ""))
+        body.append("</div>")
+
+    # Decode tok/s by configuration
+    body.append("<h2>Decode speed by configuration</h2>")
+    if seed:
+        rows = [
+            (c["label"], {"c=1 decode": c["c1_decode_tok_s"], "c=4 aggregate": c["c4_aggregate_tok_s"]})
+            for c in seed["configurations"]
+        ]
+        body.append(f"<h3>Seed, {_e(seed['platform']['name'])}, {_e(seed['model']['name'])}</h3>")
+        body.append(bar_chart(rows, ["c=1 decode", "c=4 aggregate"], "tok/s"))
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        host = run["host"]
+        model = _get(run["bench_c1"], "server", "model") or "?"
+        key = f"{host.get('name', 'unknown host')} ({host.get('machine', '?')}), model {model}"
+        groups.setdefault(key, []).append(run)
+    for key, members in groups.items():
+        rows = [
+            (r["label"], {"c=1 decode": r["c1_decode_tok_s"], "c=4 aggregate": r["c4_aggregate_tok_s"]})
+            for r in members
+        ]
+        body.append(f"<h3>Ours: {_e(key)}</h3>")
+        body.append(bar_chart(rows, ["c=1 decode", "c=4 aggregate"], "tok/s"))
+    body.append(
+        '<p class="note">c=1 decode (ours): per request, the tokens after the first over the time from the first to '
+        "the last token, from the engine's own timestamps (vllm:request_decode_time_seconds); the client-side "
+        "figure is in each bench file. c=4 aggregate: all output tokens over the run's wall time.</p>"
+    )
+
+    # Memory ledger
+    body.append("<h2>Memory ledger</h2>")
+    if seed:
+        ledger = seed["memory_ledger_gb"]
+        segments = [(i["label"], i["gib"] * 1.073741824) for i in ledger["items"]]
+        used = sum(v for _, v in segments)
+        segments.append(("other use after load (runtime, CUDA context, OS)", max(ledger["used_after_load"] - used, 0)))
+        segments.append(("left for the OS page cache serving the table", ledger["total"] - ledger["used_after_load"]))
+        body.append(f"<h3>Seed, {_e(seed['platform']['name'])}: {ledger['total']} GB unified memory</h3>")
+        body.append(stacked_bar(segments, ledger["total"], "GB"))
+        for item in ledger.get("not_resident", []):
+            body.append(
+                f'<p class="note">Not resident: {_e(item["label"])}, {item["gb"]} GB. {_e(ledger.get("note", ""))}</p>'
+            )
+    for run in runs:
+        memory = (run["log_check"] or {}).get("memory") or {}
+        total = run["host"].get("mem_total_bytes")
+        available = run["host"].get("mem_available_bytes_at_start")
+        if not total:
+            continue
+        gib = 1024**3
+        segments = []
+        if memory.get("weights_gib"):
+            segments.append(("weights", memory["weights_gib"]))
+        if memory.get("kv_cache_gib"):
+            segments.append(("KV cache", memory["kv_cache_gib"]))
+        if available is not None:
+            used_other = (total - available) / gib - sum(v for _, v in segments)
+            segments.append(("everything else in use at the suite's start", max(used_other, 0)))
+            segments.append(("available (MemAvailable)", available / gib))
+        body.append(f"<h3>{_e(run['label'])}: {total / gib:.1f} GiB host memory</h3>")
+        body.append(stacked_bar(segments, total / gib, "GiB"))
+
+    # Step-time breakdown
+    body.append("<h2>Step-time breakdown</h2>")
+    if seed:
+        step = seed["step_breakdown"]
+        body.append(f"<h3>Seed: {_e(step['configuration'])}, {step['step_ms']} ms/step</h3>")
+        rows = [(k, {"share of step": v * 100}) for k, v in step["share"].items()]
+        rows.append(("GPU busy", {"share of step": step["gpu_busy_share"] * 100}))
+        rows += [(f"GPU: {k}", {"share of step": v * 100}) for k, v in step["gpu_share_by_family"].items()]
+        body.append(bar_chart(rows, ["share of step"], "%"))
+        body.append(
+            f'<p class="note">{step["kernel_launches_per_step"]} kernel launches in ~{step["graph_launches_per_step"]} '
+            f"graph replays per step. {_e(step.get('note', ''))}</p>"
+        )
+    for run in runs:
+        for window, trace in run["splits"].items():
+            s = trace["summary"]
+            rows = [(k, {"share of step": v * 100}) for k, v in s["share"].items()]
+            if s.get("gpu_busy_share") is not None:
+                rows.append(("GPU busy", {"share of step": s["gpu_busy_share"] * 100}))
+                rows += [
+                    (f"GPU: {k}", {"share of step": v * 100}) for k, v in (s.get("gpu_share_by_family") or {}).items()
+                ]
+            body.append(
+                f"<h3>{_e(run['label'])}, {_e(window)}: {s['step_ms_median']:.2f} ms/step (median of {s['steps']})</h3>"
+            )
+            body.append(bar_chart(rows, ["share of step"], "%"))
+            extra = []
+            if s.get("ple_staging_ms_mean"):
+                extra.append(f"PLE staging on the host {s['ple_staging_ms_mean']:.3f} ms/step")
+            if s.get("worker_cpu_not_covered_by_gpu_ms_mean") is not None:
+                extra.append(
+                    f"worker CPU time with no kernel running {s['worker_cpu_not_covered_by_gpu_ms_mean']:.2f} ms/step "
+                    f"({s['worker_cpu_not_covered_by_gpu_share'] * 100:.1f} % of the step)"
+                )
+            if extra:
+                body.append(f'<p class="note">{_e("; ".join(extra))}.</p>')
+            if s.get("top_kernels"):
+                body.append("<table><tr><th>kernel</th><th>family</th><th>ms / step</th><th>GPU time</th></tr>")
+                for kernel in s["top_kernels"][:10]:
+                    body.append(
+                        f"<tr><td>{_e(kernel['name'][:100])}</td><td>{_e(kernel['family'])}</td>"
+                        f"<td class=n>{kernel['gpu_ms_per_step']:.3f}</td>"
+                        f"<td class=n>{_fmt((kernel['share_of_gpu_time'] or 0) * 100, '.1f', ' %')}</td></tr>"
+                    )
+                body.append("</table>")
+            for note in trace.get("notes", []):
+                body.append(f'<p class="note">{_e(note)}</p>')
+
+    # Table of runs
+    body.append(
+        "<h2>Runs</h2><table><tr><th>source</th><th>configuration</th><th>c=1 decode tok/s</th>"
+        "<th>c=4 aggregate tok/s</th><th>acceptance L</th><th>acceptance rate</th><th>GSM8K</th>"
+        "<th>identical outputs</th></tr>"
+    )
+    if seed:
+        for c in seed["configurations"]:
+            gsm = f"{c['gsm8k_accuracy'] * 100:.1f} %" + (f" (n={c['gsm8k_n']})" if c.get("gsm8k_n") else "")
+            body.append(
+                f"<tr><td>seed, {_e(seed['platform']['name'])}</td><td>{_e(c['label'])}</td>"
+                f"<td class=n>{_fmt(c['c1_decode_tok_s'])}</td><td class=n>{_fmt(c['c4_aggregate_tok_s'])}</td>"
+                f"<td class=n>{_fmt(c['acceptance_length'], '.2f')}</td><td class=n>-</td><td class=n>{gsm}</td>"
+                "<td>-</td></tr>"
+            )
+    for run in runs:
+        gsm = "-" if run["gsm8k_accuracy"] is None else f"{run['gsm8k_accuracy'] * 100:.1f} % (n={run['gsm8k_n']})"
+        same = "(reference)" if run is runs[0] else identical_text(runs[0], run)
+        config = run["configuration"] or ""
+        warn = "".join(
+            f'<div class="warn">{_e(f)}</div>' for f in (run["log_check"] or {}).get("expectations_failed") or []
+        )
+        body.append(
+            f"<tr><td>ours, {_e(run['host'].get('name', '?'))}</td>"
+            f"<td>{_e(run['label'])}<div class=note>{_e(config)}</div>{warn}</td>"
+            f"<td class=n>{_fmt(run['c1_decode_tok_s'])}</td><td class=n>{_fmt(run['c4_aggregate_tok_s'])}</td>"
+            f"<td class=n>{_fmt(run['acceptance_length'], '.2f')}</td>"
+            f"<td class=n>{_fmt(run['acceptance_rate'], '.3f')}</td>"
+            f"<td class=n>{gsm}</td><td>{_e(same)}</td></tr>"
+        )
+    body.append("</table>")
+    if runs:
+        body.append(
+            '<p class="note">Identical outputs: the c=1 bench\'s output token ids compared prompt by prompt with '
+            f"the first of our runs ({_e(runs[0]['label'])}).</p>"
+        )
+    if sweeps:
+        body.append("<h2>Sweep: latency by input length and concurrency</h2>")
+        for sweep in sweeps:
+            body += sweep_section(sweep)
+    if seed:
+        body.append(f'<h2>Attribution</h2><p class="note">{_e(seed["attribution"])}</p>')
+    return (
+        "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+        f"<meta name=viewport content='width=device-width, initial-scale=1'><title>{_e(title)}</title>"
+        f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="report.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("runs", nargs="*", metavar="RESULT_DIR", help="result folders (run_suite.sh OUTDIRs)")
+    parser.add_argument("--output", metavar="HTML", help="write the report here")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    parser.add_argument(
+        "--seed", default=DEFAULT_SEED, help="seed figures file (default: %(default)s); 'none' to leave out"
+    )
+    parser.add_argument(
+        "--sweep", action="append", default=[], metavar="RUN_DIR", help="a sweep.py run folder to draw (repeatable)"
+    )
+    parser.add_argument("--title", default="Qwen3.8-Flash-Next on vLLM 0.29: measurements", help="page title")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--summary", metavar="RESULT_DIR", help="print one screen about one result folder")
+    mode.add_argument("--compare", action="store_true", help="print the runs side by side (outputs vs the first)")
+    args = parser.parse_args(argv)
+    if args.summary:
+        print(summary_text(load_run(args.summary)))
+        return 0
+    runs = [load_run(folder) for folder in args.runs]
+    if args.compare:
+        if not runs:
+            parser.error("--compare needs result folders")
+        print(compare_text(runs))
+        return 0
+    if not args.output:
+        parser.error("give --output HTML (or --summary / --compare)")
+    if os.path.exists(args.output) and not args.force:
+        raise SystemExit(f"error: {args.output} exists; pass --force to replace it")
+    seed = None if args.seed == "none" else _load(args.seed)
+    if args.seed != "none" and seed is None:
+        raise SystemExit(f"error: seed figures file {args.seed} not found (or pass --seed none)")
+    sweeps = [load_sweep(folder) for folder in args.sweep]
+    page = render(runs, seed, args.title, sweeps)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(page)
+    print(
+        f"wrote {args.output} ({len(page) / 1024:.0f} KiB, {len(runs)} runs, {len(sweeps)} sweeps"
+        f"{', seed figures' if seed else ''})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

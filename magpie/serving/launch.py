@@ -1,0 +1,475 @@
+#!/usr/bin/env python3
+"""serve.sh's logic: a profile plus your overrides -> one checked `vllm serve` launch.
+
+A profile is a `vllm serve --config` YAML file (keys are `vllm serve` options without the dashes;
+`profiles/*.yaml` ship: seed-gb10, gb10-community, hopper). `plan` loads it, applies serve.sh's
+variables (GPU_MEM, MAX_NUM_SEQS, MTP, PLE, TOOL_CALL_PARSER, ...), expands it into command-line
+options exactly as vLLM 0.29.0's own `--config` loader does, and puts your extra arguments last, so
+the command line wins over the file as in vLLM. It then checks everything that would otherwise
+fail only after the ~10-minute weight load (patches, keep-set, JIT tools), chooses the
+environment (the GB10's allocator and JIT-job settings), creates a neutral working directory (a
+`vllm/` folder where you stand must not shadow the installed vLLM), writes the top of the log and
+the launch plan `LOG.launch.json`, and prints the working directory. `exec PLAN` then becomes the
+server: same PID, the plan's environment, its working directory.
+
+    MODEL=/models/Flash-Next PROFILE=gb10-community launch.py plan --log server.log --host 127.0.0.1 --port 8100
+    launch.py exec server.log.launch.json
+
+Run it with the vLLM environment's Python (serve.sh does): it needs PyYAML, which vLLM requires.
+Exit status of `plan`: 0 planned; 1 refused (the message says what, why and what to do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import getpass
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from magpie import tool_command
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROFILE_DIR = os.path.join(HERE, "profiles")
+DEFAULT_PROFILE = "seed-gb10"
+
+# Applied to the server's environment on a GB10 (GB10_ENV=auto finds one, 1 forces), each only
+# when you have not set it yourself. The reason is written into the log next to each value.
+GB10_ENVIRONMENT = {
+    "PYTORCH_CUDA_ALLOC_CONF": (
+        "expandable_segments:False",
+        "GB10 owners traced NV_ERR_NO_MEMORY failures and host wedges to the CUDA caching allocator's "
+        "expandable segments (growing mappings of unified memory); plain segments are the fix they used",
+    ),
+    "MAX_JOBS": (
+        "{jit_jobs}",
+        "FlashInfer's JIT passes MAX_JOBS to `ninja -j` (flashinfer/jit/cpp_ext.py); unset, ninja runs "
+        "nproc+2 nvcc processes at once, and the sm_120 fused-MoE build then runs out of the memory the "
+        "loaded weights left",
+    ),
+    "FLASHINFER_NVCC_THREADS": (
+        "1",
+        "FlashInfer passes it to `nvcc --threads`: threads per compile job multiply MAX_JOBS; 1 keeps the "
+        "JIT's peak memory at MAX_JOBS compilers",
+    ),
+}
+
+
+class Refused(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# Profiles
+
+
+def profile_path(name_or_path: str) -> str:
+    """A profile name in profiles/ (without .yaml) or a path to a .yaml/.yml file."""
+    if os.sep in name_or_path or name_or_path.endswith((".yaml", ".yml")):
+        path = os.path.abspath(name_or_path)
+    else:
+        path = os.path.join(PROFILE_DIR, name_or_path + ".yaml")
+    if not os.path.isfile(path):
+        known = sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".yaml"))
+        raise Refused(f"PROFILE={name_or_path}: no such profile ({path}); known: {', '.join(known)}, or a .yaml path")
+    return path
+
+
+def available_profiles() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".yaml"))
+
+
+def load_profile(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            profile = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise Refused(f"profile {path}: not valid YAML: {e}") from None
+    if profile is None:
+        return {}
+    if not isinstance(profile, dict) or not all(isinstance(k, str) for k in profile):
+        raise Refused(f"profile {path}: expected a mapping of `vllm serve` option names to values")
+    for key in profile:
+        if key.startswith("-") or key in ("model", "model-tag", "host", "port", "config"):
+            raise Refused(
+                f"profile {path}: key {key!r} is not allowed here (write option names without dashes; "
+                "MODEL, HOST and PORT are serve.sh's variables)"
+            )
+    return profile
+
+
+def expand(config: dict) -> list[str]:
+    """Config mapping -> command-line options, as vLLM 0.29.0's FlexibleArgumentParser.load_config_file
+    does (a test compares the two): true -> --key, false -> --no-key, list -> --key a b, mapping ->
+    --key JSON, other -> --key str(value)."""
+    args: list[str] = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            args.append(f"--{key}" if value else f"--no-{key}")
+        elif isinstance(value, list):
+            if value:
+                args += [f"--{key}", *map(str, value)]
+        elif isinstance(value, dict):
+            args += [f"--{key}", json.dumps(value)]
+        else:
+            args += [f"--{key}", str(value)]
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# serve.sh's variables on top of a profile
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name, "")
+    return value if value != "" else None
+
+
+def _number(name: str, value: str, kind, low: float, high: float | None = None):
+    try:
+        number = kind(value)
+    except ValueError:
+        raise Refused(f"{name}={value}: expected {'an integer' if kind is int else 'a number'}") from None
+    if number < low or (high is not None and number > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise Refused(f"{name}={value}: expected a value {bound}")
+    return number
+
+
+def apply_overrides(profile: dict) -> tuple[dict, list[str]]:
+    """Apply serve.sh's variables to a copy of the profile; return it and the variables used."""
+    config = json.loads(json.dumps(profile))  # deep copy of plain data
+    used: list[str] = []
+
+    def take(name: str) -> str | None:
+        value = _env(name)
+        if value is not None:
+            used.append(f"{name}={value}")
+        return value
+
+    if (value := take("GPU_MEM")) is not None:
+        config["gpu-memory-utilization"] = _number("GPU_MEM", value, float, 0.01, 1.0)
+    if (value := take("MAX_NUM_SEQS")) is not None:
+        config["max-num-seqs"] = _number("MAX_NUM_SEQS", value, int, 1)
+    if (value := take("MAX_MODEL_LEN")) is not None:
+        config["max-model-len"] = _number("MAX_MODEL_LEN", value, int, 16)
+    if (value := take("KV_CACHE_DTYPE")) is not None:
+        config["kv-cache-dtype"] = value
+
+    spec = dict(config.get("speculative-config") or {})
+    if (value := take("MTP")) is not None:
+        tokens = _number("MTP", value, int, 0)
+        if tokens == 0:
+            spec = {}
+        else:
+            if spec.get("method", "mtp") != "mtp":
+                spec = {}
+            spec.update({"method": "mtp", "num_speculative_tokens": tokens})
+    if (value := take("DRAFT_VOCAB_PATH")) is not None:
+        if not spec:
+            raise Refused(
+                "DRAFT_VOCAB_PATH is set but MTP=0: the pruned draft head is part of MTP; set MTP>0 or unset "
+                "DRAFT_VOCAB_PATH"
+            )
+        spec["draft_vocab_path"] = value
+    if spec:
+        config["speculative-config"] = spec
+    else:
+        config.pop("speculative-config", None)
+
+    overrides = dict(config.get("hf-overrides") or {})
+    if (value := take("PLE")) is not None:
+        if value not in ("0", "1"):
+            raise Refused(f"PLE={value}: expected 1 (table on disk) or 0 (table resident)")
+        if value == "1":
+            overrides["ple_mmap"] = True
+        else:
+            overrides.pop("ple_mmap", None)
+    if overrides:
+        config["hf-overrides"] = overrides
+    else:
+        config.pop("hf-overrides", None)
+
+    if (value := take("LANGUAGE_MODEL_ONLY")) is not None:
+        if value not in ("0", "1"):
+            raise Refused(f"LANGUAGE_MODEL_ONLY={value}: expected 1 or 0")
+        if value == "1":
+            config["language-model-only"] = True
+        else:
+            config.pop("language-model-only", None)
+
+    # Names: `none` removes the profile's setting.
+    if (value := take("SERVED_MODEL_NAME")) is not None:
+        if value == "none":
+            config.pop("served-model-name", None)
+        else:
+            config["served-model-name"] = value
+    if (value := take("TOOL_CALL_PARSER")) is not None:
+        if value == "none":
+            config.pop("tool-call-parser", None)
+            config.pop("enable-auto-tool-choice", None)
+        else:
+            config["enable-auto-tool-choice"] = True
+            config["tool-call-parser"] = value
+    if (value := take("REASONING_PARSER")) is not None:
+        if value == "none":
+            config.pop("reasoning-parser", None)
+        else:
+            config["reasoning-parser"] = value
+    return config, used
+
+
+# --------------------------------------------------------------------------------------------
+# Checks before the launch
+
+
+def required_patches(config: dict) -> list[tuple[str, str]]:
+    needed = []
+    if (config.get("hf-overrides") or {}).get("ple_mmap"):
+        needed.append(("ple_ssd", "PLE=1 (--hf-overrides '{\"ple_mmap\": true}')"))
+    if (config.get("speculative-config") or {}).get("draft_vocab_path"):
+        needed.append(("mtp_pruning", "DRAFT_VOCAB_PATH (the pruned MTP draft head)"))
+    return needed
+
+
+def check_patches(python: str, patch_tool: str, config: dict) -> None:
+    for selector, why in required_patches(config):
+        proc = subprocess.run(
+            [python, patch_tool, "status", "--require-applied", selector, "--python", python],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        out = (proc.stdout + proc.stderr).strip()
+        if proc.returncode == 1:
+            raise Refused(
+                f"{why} needs the {selector} patches applied to this vLLM, and they are not:\n{out}\n"
+                f"apply them: {patch_tool} apply {selector} --python {python}"
+            )
+        if proc.returncode == 3:
+            raise Refused(
+                f"{why} needs the {selector} patches, and they conflict with this vLLM (another version?):\n{out}"
+            )
+        if proc.returncode != 0:
+            raise Refused(f"{why} needs the {selector} patches; the patch tool says:\n{out}")
+
+
+def relative_paths_in(args: list[str], cwd: str) -> list[str]:
+    """Extra arguments that name an existing file or folder by a relative path: vLLM runs in another
+    working directory, so they would name nothing there."""
+    found = []
+    for arg in args:
+        value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
+        if value.startswith("-") or os.path.isabs(value) or not value:
+            continue
+        if os.sep not in value and "." not in value:  # a bare word (a served name, a parser) is no path
+            continue
+        if os.path.exists(os.path.join(cwd, value)):
+            found.append(value)
+    return found
+
+
+def is_gb10() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    try:
+        proc = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0 and "GB10" in proc.stdout
+
+
+def server_environment(profile_name: str, mode: str, jit_jobs: str) -> tuple[dict[str, str], list[str]]:
+    """The variables to set for the server and one explanation line per variable."""
+    if mode not in ("auto", "0", "1"):
+        raise Refused(f"GB10_ENV={mode}: expected auto, 1 or 0")
+    if not jit_jobs.isdigit() or int(jit_jobs) < 1:
+        raise Refused(f"JIT_JOBS={jit_jobs}: expected a positive number of parallel compile jobs")
+    if mode == "0":
+        return {}, ["GB10 settings: off (GB10_ENV=0)"]
+    if mode == "auto":
+        if is_gb10():
+            why = "nvidia-smi reports a GB10"
+        elif "gb10" in profile_name:
+            why = f"profile {profile_name}"
+        else:
+            return {}, ["GB10 settings: not applied (no GB10 found by nvidia-smi, and the profile is not a GB10 one)"]
+    else:
+        why = "GB10_ENV=1"
+    env, lines = {}, [f"GB10 settings: applied ({why})"]
+    for name, (value, reason) in GB10_ENVIRONMENT.items():
+        value = value.format(jit_jobs=jit_jobs)
+        if os.environ.get(name):
+            lines.append(f"{name}={os.environ[name]} (yours, kept; the GB10 default is {value}: {reason})")
+        else:
+            env[name] = value
+            lines.append(f"{name}={value} ({reason})")
+    return env, lines
+
+
+# --------------------------------------------------------------------------------------------
+# plan / exec
+
+
+def bash_quote(argv: list[str]) -> str:
+    """The command as bash's `printf '%q '` writes it (the log's `# command:` line)."""
+    proc = subprocess.run(["bash", "-c", 'printf "%q " "$@"', "_", *argv], capture_output=True, text=True, check=True)
+    return proc.stdout.rstrip()
+
+
+def plan(args: argparse.Namespace) -> int:
+    python = args.python
+    log = os.path.abspath(args.log)
+    caller_cwd = os.getcwd()
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+
+    model = _env("MODEL")
+    if model is None:
+        raise Refused("MODEL is not set: MODEL=/path/to/checkpoint serve.sh LOG")
+    if model.startswith(("/", "./", "../")) or os.path.exists(model):
+        if not os.path.exists(model):
+            raise Refused(f"MODEL={model} does not exist")
+        model = os.path.abspath(model)  # vLLM runs in another working directory
+    if os.path.exists(log) and os.path.getsize(log) > 0 and os.environ.get("OVERWRITE", "0") != "1":
+        raise Refused(f"{log} exists; choose another LOG or set OVERWRITE=1")
+    jit_check = os.environ.get("JIT_CHECK", "auto")
+    if jit_check not in ("auto", "0", "1"):
+        raise Refused(f"JIT_CHECK={jit_check}: expected auto, 1 or 0")
+    relative = relative_paths_in(extra, caller_cwd)
+    if relative:
+        raise Refused(
+            f"{', '.join(relative)}: relative path(s) among the vLLM arguments; vLLM runs in a working directory "
+            "of its own (so that a vllm/ folder here cannot shadow the installed vLLM): give absolute paths"
+        )
+
+    profile_name = _env("PROFILE") or DEFAULT_PROFILE
+    path = profile_path(profile_name)
+    profile = load_profile(path)
+    config, used = apply_overrides(profile)
+    check_patches(python, args.patch_tool, config)
+
+    spec = config.get("speculative-config") or {}
+    preflight = tool_command(python, "magpie.serving.preflight", "--model", model, "--jit-check", jit_check, "--header")
+    if spec.get("draft_vocab_path"):
+        preflight += ["--draft-vocab-path", spec["draft_vocab_path"]]
+    proc = subprocess.run(preflight, stdout=subprocess.PIPE, text=True, check=False)  # stderr: the refusal
+    if proc.returncode != 0:
+        return 1
+    header = proc.stdout.rstrip("\n")
+
+    env, env_lines = server_environment(
+        os.path.basename(path).rsplit(".", 1)[0], os.environ.get("GB10_ENV", "auto"), os.environ.get("JIT_JOBS", "4")
+    )
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    if pythonpath:  # relative entries would point elsewhere from the server's working directory
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in pythonpath.split(os.pathsep))
+
+    cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", args.host, "--port", str(args.port)]
+    cmd += expand(config) + extra
+    launch = cmd
+    if args.mem_hard_limit:
+        launch = tool_command(python, "magpie.serving.memguard", "exec", "--max", args.mem_hard_limit, "--", *cmd)
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="flash-next-serve-")
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    if os.path.exists(os.path.join(workdir, "vllm")):
+        raise Refused(f"WORKDIR={workdir} has a vllm/ entry, which would shadow the installed vLLM")
+
+    patch_table = subprocess.run(
+        [python, args.patch_tool, "status", "--python", python], capture_output=True, text=True, check=False
+    )
+    settings = " ".join(used) or "none"
+    lines = [
+        f"serve.sh: started {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} by "
+        f"{getpass.getuser()}@{platform.node()}",
+        f"command: {bash_quote(cmd)}",
+        f"profile: {os.path.basename(path).rsplit('.', 1)[0]} ({path})",
+        f"settings: {settings} (over the profile); HOST={args.host} PORT={args.port} "
+        f"MEM_HARD_LIMIT={args.mem_hard_limit or 'none'}",
+        f"working directory: {workdir} (caller's: {caller_cwd})",
+        f"PYTHONPATH: {env.get('PYTHONPATH', '')}",
+        *env_lines,
+        f"resolved config: {json.dumps(config, sort_keys=True)}",
+    ]
+    with open(log, "w") as f:
+        for line in lines:
+            f.write(f"# {line}\n")
+        f.write(header + "\n")
+        for line in (patch_table.stdout + patch_table.stderr).splitlines():
+            f.write(f"# patches: {line}\n")
+        f.write("# ---- vLLM output follows\n")
+    with open(log + ".launch.json", "w") as f:
+        json.dump({"argv": launch, "env": env, "cwd": workdir, "profile": path, "config": config}, f, indent=1)
+    print(workdir)
+    return 0
+
+
+def exec_plan(plan_path: str) -> int:
+    with open(plan_path) as f:
+        launch = json.load(f)
+    os.environ.update(launch["env"])
+    os.chdir(launch["cwd"])
+    try:
+        os.execvp(launch["argv"][0], launch["argv"])
+    except OSError as e:
+        print(f"launch.py: cannot run {launch['argv'][0]}: {e.strerror}", file=sys.stderr)
+        return 127
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="launch.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_plan = sub.add_parser(
+        "plan",
+        help="check everything, write LOG's header and LOG.launch.json",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p_plan.add_argument("--log", required=True, help="the server log (serve.sh's LOG)")
+    p_plan.add_argument("--host", default="127.0.0.1")
+    p_plan.add_argument("--port", type=int, default=8100)
+    p_plan.add_argument("--python", default=sys.executable, help="the vLLM environment's Python")
+    p_plan.add_argument("--patch-tool", default=os.path.join(HERE, "..", "patches.py"))
+    p_plan.add_argument("--mem-hard-limit", default="", help="launch through `memguard.py exec --max` (e.g. 110GiB)")
+    p_plan.add_argument("--workdir", default="", help="the server's working directory (default: a new empty one)")
+    p_plan.add_argument("extra", nargs=argparse.REMAINDER, help="-- more `vllm serve` arguments (they come last)")
+    p_exec = sub.add_parser("exec", help="become the server a plan describes")
+    p_exec.add_argument("plan", help="LOG.launch.json")
+    sub.add_parser("profiles", help="list the profiles in profiles/")
+    sub.add_parser("show", help="print a profile (PROFILE) with serve.sh's variables applied, as vLLM options")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plan":
+            return plan(args)
+        if args.command == "exec":
+            return exec_plan(args.plan)
+        if args.command == "profiles":
+            for name in available_profiles():
+                print(f"{name:16s} {profile_path(name)}")
+            return 0
+        config, _ = apply_overrides(load_profile(profile_path(_env("PROFILE") or DEFAULT_PROFILE)))
+        print(shlex.join(expand(config)))
+        return 0
+    except Refused as e:
+        print(f"serve.sh: refusing to start: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Liveness watchdog for one vLLM server: find a stalled engine and stop it, by PID.
+
+`/health` stays green on a wedged engine (it only asks whether the engine core has died). This
+watchdog reads the server's own counters instead. The server is stalled when
+
+- requests are running or waiting (`vllm:num_requests_running` + `vllm:num_requests_waiting` > 0)
+  and no progress counter moved (`vllm:generation_tokens_total`, `vllm:prompt_tokens_total`,
+  `vllm:iteration_tokens_total_count`) for `--stall-after` seconds; or
+- the server is idle and a one-token completion (`--probe-interval` > 0; off by default, since a
+  probe adds a request a benchmark would count) gets no answer within `--probe-timeout` while the
+  counters do not move either; or
+- `/metrics` itself does not answer for `--stall-after` seconds.
+
+Before the server first answers `/health` (weight loading, compilation: ~10 minutes for
+Flash-Next), nothing is judged. What happens on a stall is the policy `--on-stall`: `stop`
+(SIGTERM and SIGCONT to the server's process group, SIGKILL after `--grace`; exit 4) or `report`
+(log it, keep watching, log again when the engine moves). serve.sh's `WATCHDOG=restart` launches
+the server again after a `stop`.
+
+    python3 magpie watchdog watch --pid 12345 --url http://127.0.0.1:8100 --on-stall stop --log server.log
+
+A long prefill moves no token counter until it completes (vLLM 0.29 counts prompt tokens when
+the first output token exists): set `--stall-after` above the longest prefill you serve.
+
+Exit codes: 0 the server exited by itself; 4 the watchdog stopped it; 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from magpie.serving import memguard
+
+PROGRESS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:iteration_tokens_total_count")
+BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def metric_sums(page: str, names) -> dict[str, float]:
+    """Each metric summed over its label sets (engines, models) from a Prometheus text page."""
+    sums = dict.fromkeys(names, 0.0)
+    for line in page.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            try:
+                sums[name] += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return sums
+
+
+class Watchdog:
+    def __init__(self, args: argparse.Namespace, log):
+        self.args = args
+        self.url = args.url.rstrip("/")
+        self.log_file = log
+        # Process identity, the process-group rules and the stop sequence are the memory guard's.
+        self.guard = memguard.Guard(args.pid, 0, args.grace, args.interval, log)
+        self.guard.log = self.log
+        self.guard.who = "the watchdog"
+
+    def log(self, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        print(f"[watchdog {stamp}] {message}", file=self.log_file, flush=True)
+
+    def get(self, path: str, timeout: float) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+            return resp.read().decode()
+
+    def healthy(self) -> bool:
+        try:
+            self.get("/health", 5)
+            return True
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def probe(self) -> str | None:
+        """One-token completion; None when it answered, else what went wrong."""
+        try:
+            model = json.loads(self.get("/v1/models", 10))["data"][0]["id"]
+            body = json.dumps({"model": model, "prompt": "1", "max_tokens": 1, "temperature": 0}).encode()
+            request = urllib.request.Request(
+                self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=self.args.probe_timeout) as resp:
+                resp.read()
+            return None
+        except urllib.error.HTTPError as e:
+            self.log(f"warning: the one-token probe got HTTP {e.code}; not counted as a stall")
+            return None
+        except (urllib.error.URLError, OSError) as e:
+            return f"the one-token probe got no answer within {self.args.probe_timeout:g} s ({e})"
+
+    def run(self) -> int:
+        args = self.args
+        self.log(
+            f"watching server PID {args.pid} at {self.url}: stalled when no progress counter moves for "
+            f"{args.stall_after:g} s while requests run or wait"
+            + (f", or a one-token probe every {args.probe_interval:g} s gets no answer" if args.probe_interval else "")
+            + f"; policy {args.on_stall}"
+        )
+        while not self.healthy():  # start-up: nothing to judge yet
+            if not self.guard.alive():
+                self.log(f"server PID {args.pid} exited; the watchdog exits")
+                return 0
+            time.sleep(args.interval)
+        self.log("server healthy; watching its counters")
+        progress, moved_at, last_probe, answered_at = None, time.monotonic(), time.monotonic(), time.monotonic()
+        stalled = False
+        while True:
+            if not self.guard.alive():
+                self.log(f"server PID {args.pid} exited; the watchdog exits")
+                return 0
+            now = time.monotonic()
+            reason = None
+            try:
+                page = self.get("/metrics", args.metrics_timeout)
+                answered_at = now
+            except (urllib.error.URLError, OSError) as e:
+                page = None
+                if now - answered_at >= args.stall_after:
+                    reason = f"/metrics has not answered for {now - answered_at:.0f} s ({e})"
+            if page is not None:
+                sums = metric_sums(page, PROGRESS + BUSY)
+                current = tuple(sums[name] for name in PROGRESS)
+                busy = sums["vllm:num_requests_running"] + sums["vllm:num_requests_waiting"]
+                if current != progress or busy == 0:
+                    if stalled and current != progress:
+                        self.log(f"engine moving again: generation_tokens_total {sums[PROGRESS[0]]:.0f}")
+                        stalled = False
+                    progress, moved_at = current, now
+                elif now - moved_at >= args.stall_after:
+                    reason = (
+                        f"stalled engine: generation_tokens_total frozen at {sums[PROGRESS[0]]:.0f} for "
+                        f"{now - moved_at:.0f} s while {sums[BUSY[0]]:.0f} request(s) run and "
+                        f"{sums[BUSY[1]]:.0f} wait"
+                    )
+                if reason is None and busy == 0 and args.probe_interval and now - last_probe >= args.probe_interval:
+                    last_probe = now
+                    failure = self.probe()
+                    after = self.get_progress()
+                    if failure and after == progress:
+                        reason = f"stalled engine: {failure}, and no counter moved"
+                    last_probe = time.monotonic()
+            if reason and not stalled:
+                if args.on_stall == "stop":
+                    self.guard.stop(reason)
+                    return 4
+                self.log(f"{reason} (policy report: left running)")
+                stalled = True
+            time.sleep(args.interval)
+
+    def get_progress(self):
+        try:
+            sums = metric_sums(self.get("/metrics", self.args.metrics_timeout), PROGRESS)
+        except (urllib.error.URLError, OSError):
+            return None
+        return tuple(sums[name] for name in PROGRESS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="watchdog.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("watch", help="watch one server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--pid", type=int, required=True, help="the server's PID (it should lead its process group)")
+    p.add_argument("--url", default="http://127.0.0.1:8100", help="the server")
+    p.add_argument("--stall-after", type=float, default=300.0, help="seconds without progress that make a stall")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between two /metrics readings")
+    p.add_argument("--metrics-timeout", type=float, default=30.0, help="timeout of one /metrics request")
+    p.add_argument("--probe-interval", type=float, default=0.0, help="idle seconds between one-token probes; 0 = off")
+    p.add_argument("--probe-timeout", type=float, default=60.0, help="seconds a probe may take")
+    p.add_argument("--on-stall", choices=("stop", "report"), default="stop", help="the policy")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--log", help="append messages to this file (default: stderr)")
+    args = parser.parse_args(argv)
+    log = open(args.log, "a") if args.log else sys.stderr
+    try:
+        watchdog = Watchdog(args, log)
+    except (ProcessLookupError, PermissionError) as e:
+        print(f"watchdog: error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        return watchdog.run()
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
+    sys.exit(main())

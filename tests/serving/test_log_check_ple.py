@@ -1,0 +1,69 @@
+"""log_check.py on the log lines the ple_ssd patches really print.
+
+A Qwen4Exp model cannot be served on this CPU build, so the PLE layer is built and loaded the
+way vLLM does it, in a subprocess (tests/ple_ssd/ple_runner.py) with the patched vLLM, and its
+output is the log: 0001 alone and 0001 + 0002 print different lines, and the check must
+recognise both (the stock vLLM prints neither).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from magpie.demo.overlay import make_overlay, vllm_env
+from tests.serving.helpers import PYTHON, TESTS, run_tool
+
+pytestmark = pytest.mark.slow
+
+RUNNER = TESTS / "ple_ssd" / "ple_runner.py"
+
+
+@pytest.fixture(scope="module")
+def ple_checkpoint(tmp_path_factory):
+    from tests.ple_ssd.checkpoint import build_ple_checkpoint
+
+    return build_ple_checkpoint(tmp_path_factory.mktemp("ple-checkpoint"), ngram_vocab_size_base=2_000)
+
+
+def run_layer(tmp_path, checkpoint, overlay, *flags: str) -> str:
+    """Build, load and run the PLE layer (the ple_ssd tests' runner); its output is the log."""
+    log = tmp_path / "ple.log"
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [PYTHON, str(RUNNER), "forward", str(checkpoint), str(tmp_path / "forward.pt"), *flags],
+            env=vllm_env(overlay),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        )
+    assert proc.returncode == 0, f"{RUNNER.name} forward failed (its interface changed?):\n{log.read_text()[-3000:]}"
+    return str(log)
+
+
+def ple_log(tmp_path, checkpoint, selectors: list[str], *flags: str) -> str:
+    return run_layer(tmp_path, checkpoint, make_overlay(tmp_path / "overlay", selectors), "--ple-mmap", *flags)
+
+
+def check(log: str) -> dict:
+    proc = run_tool("log-check", log, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["features"]["ple_mmap"]
+
+
+def test_log_check_recognises_ple_mmap_with_rows_gathered_in_the_forward(tmp_path, ple_checkpoint):
+    ple = check(ple_log(tmp_path, ple_checkpoint, ["ple_ssd/0001"]))
+    assert ple["state"] == "on" and ple["tables"] >= 1
+    assert "gathered inside the forward" in ple["rows"]
+
+
+def test_log_check_recognises_ple_mmap_with_rows_staged_before_the_forward(tmp_path, ple_checkpoint):
+    ple = check(ple_log(tmp_path, ple_checkpoint, ["ple_ssd"], "--stage"))
+    assert ple["state"] == "on" and ple["tables"] >= 1
+    assert "staged before the forward" in ple["rows"]
+
+
+def test_log_check_does_not_see_ple_mmap_in_a_stock_log(tmp_path, ple_checkpoint):
+    assert check(run_layer(tmp_path, ple_checkpoint, None))["state"] == "off"

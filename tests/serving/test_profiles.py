@@ -1,0 +1,271 @@
+"""serve.sh's profiles against the real vLLM 0.29.0 CLI, and the launch plan launch.py writes.
+
+A profile is a `vllm serve --config` file: vLLM's own loader must accept it, expand it to the
+same options launch.py emits, and every option must exist in `vllm serve --help`. The plan is made
+by `launch.py plan` exactly as serve.sh calls it (no server is started, except in the shadowing
+test, which stops the server once the real vLLM has parsed its arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from magpie.demo.overlay import vllm_env
+from magpie.serving import launch
+from tests.serving.helpers import PYTHON, TOOLS, tool
+
+PROFILES = sorted(p.stem for p in (TOOLS / "profiles").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def serve_parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+@pytest.fixture(scope="module")
+def serve_help() -> str:
+    proc = subprocess.run(
+        [PYTHON, "-m", "vllm.entrypoints.cli.main", "serve", "--help=all"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=vllm_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_the_three_profiles_ship():
+    assert {"seed-gb10", "gb10-community", "hopper"} <= set(PROFILES)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_expands_as_vllms_own_config_loader_does(serve_parser, name):
+    path = launch.profile_path(name)
+    assert launch.expand(launch.load_profile(path)) == serve_parser.load_config_file(path)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_options_exist_in_vllm_serve_help(serve_help, name):
+    options = [a for a in launch.expand(launch.load_profile(launch.profile_path(name))) if a.startswith("--")]
+    missing = [o for o in options if not re.search(rf"(^|\s|,){re.escape(o)}(\s|,|=|$)", serve_help, re.M)]
+    assert not missing, f"profile {name}: not in `vllm serve --help=all`: {missing}"
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_parses_like_vllm_serve_config_and_the_command_line_wins(serve_parser, name):
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    path = launch.profile_path(name)
+    through_vllm = serve_parser.parse_args(["/models/m", "--config", path, "--max-num-seqs", "2"])
+    through_launch = serve_parser.parse_args(
+        ["/models/m", *launch.expand(launch.load_profile(path)), "--max-num-seqs", "2"]
+    )
+    assert vars(through_vllm) == vars(through_launch)
+    assert through_vllm.max_num_seqs == 2  # command line over file, in vLLM and in serve.sh
+    validate_parsed_serve_args(through_vllm)
+    if through_vllm.tool_call_parser:
+        ToolParserManager.get_tool_parser(through_vllm.tool_call_parser)
+    if through_vllm.reasoning_parser:
+        ReasoningParserManager.get_reasoning_parser(through_vllm.reasoning_parser)
+
+
+def test_community_profile_has_what_gb10_owners_run(serve_parser):
+    args = serve_parser.parse_args(["/models/m", "--config", launch.profile_path("gb10-community")])
+    assert args.kv_cache_dtype == "fp8" and args.max_model_len == 262144 and 8 <= args.max_num_seqs <= 16
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    assert args.enable_flashinfer_autotune is False
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "qwen3_xml" and args.reasoning_parser == "qwen3"
+    assert args.served_model_name == ["qwen3.8-flash-next"] and args.hf_overrides == {"ple_mmap": True}
+
+
+def _overrides(monkeypatch, profile: str, **env: str) -> dict:
+    for name in ("GPU_MEM", "MAX_NUM_SEQS", "MAX_MODEL_LEN", "KV_CACHE_DTYPE", "MTP", "DRAFT_VOCAB_PATH", "PLE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("LANGUAGE_MODEL_ONLY", "SERVED_MODEL_NAME", "TOOL_CALL_PARSER", "REASONING_PARSER"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return launch.apply_overrides(launch.load_profile(launch.profile_path(profile)))[0]
+
+
+def test_every_profile_value_is_overridable_by_serve_sh_variables(monkeypatch):
+    config = _overrides(
+        monkeypatch,
+        "gb10-community",
+        GPU_MEM="0.7",
+        MAX_NUM_SEQS="16",
+        MAX_MODEL_LEN="131072",
+        KV_CACHE_DTYPE="auto",
+        MTP="2",
+        DRAFT_VOCAB_PATH="/abs/keep.pt",
+        PLE="0",
+        LANGUAGE_MODEL_ONLY="0",
+        SERVED_MODEL_NAME="flash",
+        TOOL_CALL_PARSER="none",
+        REASONING_PARSER="none",
+    )
+    assert config == {
+        "gpu-memory-utilization": 0.7,
+        "max-num-seqs": 16,
+        "max-model-len": 131072,
+        "kv-cache-dtype": "auto",
+        "speculative-config": {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_path": "/abs/keep.pt"},
+        "enable-flashinfer-autotune": False,
+        "served-model-name": "flash",
+    }
+    seed = _overrides(monkeypatch, "seed-gb10", MTP="0", TOOL_CALL_PARSER="qwen3_xml", REASONING_PARSER="qwen3")
+    assert "speculative-config" not in seed
+    assert seed["enable-auto-tool-choice"] is True and seed["tool-call-parser"] == "qwen3_xml"
+    assert seed["reasoning-parser"] == "qwen3"
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"GPU_MEM": "76"}, "GPU_MEM=76: expected a value between 0.01 and 1.0"),
+        ({"MAX_NUM_SEQS": "four"}, "MAX_NUM_SEQS=four: expected an integer"),
+        ({"MTP": "0", "DRAFT_VOCAB_PATH": "/abs/keep.pt"}, "DRAFT_VOCAB_PATH is set but MTP=0"),
+        ({"PLE": "yes"}, "PLE=yes: expected 1"),
+    ],
+)
+def test_bad_variables_are_refused_with_the_value_and_the_fix(monkeypatch, env, needle):
+    with pytest.raises(launch.Refused, match=re.escape(needle)):
+        _overrides(monkeypatch, "seed-gb10", **env)
+
+
+def test_an_unknown_profile_names_the_known_ones(monkeypatch):
+    with pytest.raises(launch.Refused, match="known: gb10-community, hopper, seed-gb10"):
+        launch.profile_path("gb11")
+
+
+def _plan(tmp_path: Path, model: Path, cwd: Path | None = None, *extra: str, **env: str):
+    log = tmp_path / "server.log"
+    full_env = vllm_env(None, MODEL=str(model), PLE="0", JIT_CHECK="0", **env)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "MAX_JOBS", "FLASHINFER_NVCC_THREADS"):
+        if name not in env:
+            full_env.pop(name, None)
+    proc = subprocess.run(
+        [*tool("launch"), "plan", "--log", str(log), "--port", "18111", "--", *extra],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd or tmp_path,
+        timeout=120,
+        check=False,
+    )
+    plan = json.loads((tmp_path / "server.log.launch.json").read_text()) if proc.returncode == 0 else None
+    return proc, plan, (log.read_text() if log.exists() else "")
+
+
+def test_plan_applies_and_explains_the_gb10_settings_and_keeps_yours(tmp_path, tiny_mtp_model):
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, "--served-model-name", "tiny", PROFILE="gb10-community")
+    assert proc.returncode == 0, proc.stderr
+    assert plan["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    assert plan["env"]["MAX_JOBS"] == "4" and plan["env"]["FLASHINFER_NVCC_THREADS"] == "1"
+    assert "# GB10 settings: applied (profile gb10-community)" in header
+    assert re.search(r"^# MAX_JOBS=4 \(FlashInfer's JIT passes MAX_JOBS to `ninja -j`", header, re.M)
+    argv = plan["argv"]
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8" and "--no-enable-flashinfer-autotune" in argv
+    assert argv[-2:] == ["--served-model-name", "tiny"], "extra arguments come last, so they win"
+    assert re.search(r"^# command: .*-m vllm\.entrypoints\.cli\.main serve ", header, re.M)
+    assert plan["cwd"] != str(tmp_path) and os.listdir(plan["cwd"]) == []
+    os.rmdir(plan["cwd"])
+
+    (tmp_path / "server.log").unlink()
+    proc, plan, header = _plan(
+        tmp_path, tiny_mtp_model, None, PROFILE="hopper", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
+    )
+    assert proc.returncode == 0 and "PYTORCH_CUDA_ALLOC_CONF" not in plan["env"]
+    assert "# GB10 settings: not applied" in header
+    os.rmdir(plan["cwd"])
+    (tmp_path / "server.log").unlink()
+    proc, plan, header = _plan(
+        tmp_path,
+        tiny_mtp_model,
+        None,
+        PROFILE="hopper",
+        GB10_ENV="1",
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+    )
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in plan["env"] and plan["env"]["MAX_JOBS"] == "4"
+    assert "# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (yours, kept" in header
+    os.rmdir(plan["cwd"])
+
+
+def test_plan_refuses_relative_paths_among_the_vllm_arguments(tmp_path, tiny_mtp_model):
+    (tmp_path / "template.jinja").write_text("{{ messages }}")
+    (tmp_path / "tiny").mkdir()  # a bare word that happens to name a folder here is a name, not a path
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, tmp_path, "--served-model-name", "tiny")
+    assert proc.returncode == 0, proc.stderr
+    os.rmdir(plan["cwd"])
+    (tmp_path / "server.log").unlink()
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, tmp_path, "--chat-template", "template.jinja")
+    assert proc.returncode == 1 and plan is None and header == ""
+    assert "template.jinja: relative path(s) among the vLLM arguments" in proc.stderr and "absolute" in proc.stderr
+
+
+SHADOW = (
+    "import pathlib, sys\n"
+    "pathlib.Path(__file__).with_name('IMPORTED').write_text(' '.join(sys.argv))\n"
+    "raise SystemExit('a vllm/ folder in the working directory shadowed the installed vLLM')\n"
+)
+
+
+def test_a_vllm_folder_where_you_stand_does_not_shadow_the_installed_vllm(tmp_path, tiny_mtp_model):
+    caller = tmp_path / "caller"
+    (caller / "vllm").mkdir(parents=True)
+    (caller / "vllm" / "__init__.py").write_text(SHADOW)
+    marker = caller / "vllm" / "IMPORTED"
+    # The shadowing is real: the same module run from the caller's folder imports the fake package.
+    control = subprocess.run(
+        [PYTHON, "-m", "vllm.entrypoints.cli.main", "--help"], cwd=caller, capture_output=True, text=True, timeout=120
+    )
+    assert control.returncode != 0 and marker.exists() and "shadowed" in control.stderr
+    marker.unlink()
+
+    log = tmp_path / "server.log"
+    env = vllm_env(
+        None, MODEL=str(tiny_mtp_model), VLLM_PYTHON=PYTHON, PORT="18112", PLE="0", MTP="0", MAX_MODEL_LEN="2048"
+    )
+    env.update(MEMGUARD="0", WATCHDOG="0")
+    serve = subprocess.Popen(
+        ["bash", str(TOOLS / "serve.sh"), str(log)],
+        cwd=caller,
+        env=env,
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and serve.poll() is None:
+            text = log.read_text() if log.exists() else ""
+            if "non-default args" in text:  # the real vLLM parsed its arguments
+                break
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "non-default args" in text, f"serve.sh: {serve.poll()}\n{text[-3000:]}"
+        assert not marker.exists()
+        workdir = re.search(r"^# working directory: (\S+) \(caller's: (\S+)\)", text, re.M)
+        assert workdir and workdir.group(2) == str(caller) and workdir.group(1) != str(caller)
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)  # serve.sh forwards it to the server's own group
+        serve.wait(timeout=120)
+        pid_file = Path(str(log) + ".pid")
+        assert not pid_file.exists()

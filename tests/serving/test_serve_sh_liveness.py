@@ -1,0 +1,70 @@
+"""serve.sh's wiring of the watchdog: WATCHDOG=restart against a real vLLM CPU server made to stall.
+
+serve.sh starts the server, the memory guard and the watchdog; the engine core is stopped with
+SIGSTOP; the watchdog's probe times out, it stops the server's process group, and serve.sh
+launches the same plan again (a second start-up of about two minutes on two cores).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import urllib.request
+
+from magpie.serving.process import group_members
+from tests.serving.helpers import ServeSh
+
+
+def wait_until(condition, timeout: float, what: str, describe=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"{what} not seen after {timeout} s\n{describe()}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def test_serve_sh_restarts_a_stalled_server_under_watchdog_restart(tmp_path, tiny_mtp_model):
+    settings = {
+        "MTP": "0",
+        "WATCHDOG": "restart",
+        "WATCHDOG_RESTARTS": "1",
+        "WATCHDOG_ARGS": "--interval 0.5 --probe-interval 2 --probe-timeout 5 --grace 20",
+    }
+    server = ServeSh(tmp_path / "server.log", tiny_mtp_model, None, settings, ["--served-model-name", "tiny"])
+    server.start()
+    try:
+        first = server.server_pid
+        engines = [p for p in group_members(first) if p != first and "EngineCor" in open(f"/proc/{p}/comm").read()]
+        assert len(engines) == 1
+        wait_until(lambda: "server healthy; watching its counters" in server.log_path.read_text(), 60, "watchdog ready")
+        stalled_at = time.monotonic()
+        os.kill(engines[0], signal.SIGSTOP)
+        wait_until(
+            lambda: f"stopping process group {first}" in server.log_path.read_text(), 90, "the stop", server.log_tail
+        )
+        detected_s = time.monotonic() - stalled_at
+        wait_until(lambda: "# serve.sh: restart 1 of 1 after a stall" in server.log_path.read_text(), 60, "restart")
+        wait_until(lambda: server.pid_file.exists() and server.server_pid != first, 60, "a new server PID")
+        second = server.server_pid
+        wait_until(lambda: healthy(server.url), 600, "the restarted server's /health", server.log_tail)
+        restarted_s = time.monotonic() - stalled_at
+        assert group_members(first) == [], "the stalled server's group (engine core included) is gone"
+        text = server.log_path.read_text()
+        assert re.search(rf"\[memguard [^\]]*\] guarding server PID {second} ", text)
+        assert re.search(rf"\[watchdog [^\]]*\] watching server PID {second} ", text)
+        print(f"stall found {detected_s:.1f} s after SIGSTOP; restarted server healthy {restarted_s:.0f} s after it")
+    finally:
+        status = server.stop()
+    assert status is not None and not server.pid_file.exists()
