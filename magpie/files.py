@@ -1,0 +1,170 @@
+"""The output policy of every magpie tool, and the names of a run folder's files.
+
+- Writes are atomic: the data goes to a temporary file in the destination's folder, is flushed
+  and fsync'ed, then `os.replace`d over the destination. A reader sees the old file or the new
+  one, never half of one; an error (or Ctrl-C) leaves the old file as it was and no temporary
+  file behind.
+- An existing output is refused unless the user passed `--force` (`check_output`), before any
+  work is done, with a message that names the file and the flag.
+- `RUN_FILES`: what `magpie/measure/run_suite.sh` writes into its OUTDIR, spelled once for the
+  Python tools that read or write a run folder (tests/test_cli_files.py holds run_suite.sh's
+  spelling equal to these).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "BENCH_C1",
+    "BENCH_C4",
+    "GSM8K",
+    "LOG_CHECK",
+    "METRICS_AFTER",
+    "METRICS_BEFORE",
+    "PROFILE_DIR",
+    "PROFILE_SPLIT",
+    "RUN_FILES",
+    "SUITE",
+    "SUITE_LOG",
+    "SUMMARY",
+    "OutputExists",
+    "atomic_open",
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "bench_file",
+    "check_output",
+]
+
+# --------------------------------------------------------------------------------------------
+# A run folder (run_suite.sh's OUTDIR): its files, by name
+
+SUITE = "suite.json"  # what ran where: label, URL, server log, host
+BENCH_C1 = "bench-c1.json"  # bench_decode at concurrency 1
+BENCH_C4 = "bench-c4.json"  # bench_decode at concurrency 4
+GSM8K = "gsm8k.json"  # gsm8k_eval
+LOG_CHECK = "log_check.json"  # log_check of the server's log
+METRICS_BEFORE = "metrics-before.prom"  # the server's /metrics page before the requests
+METRICS_AFTER = "metrics-after.prom"  # ... and after them
+SUITE_LOG = "suite.log"  # every step's output
+SUMMARY = "summary.txt"  # report --summary of the folder
+PROFILE_DIR = "profile"  # profile_capture --out, when a profile was taken: profile/<window>/
+PROFILE_SPLIT = "split.json"  # trace_split's result in each profile/<window>/
+
+RUN_FILES = (SUITE, BENCH_C1, BENCH_C4, GSM8K, LOG_CHECK, METRICS_BEFORE, METRICS_AFTER, SUITE_LOG, SUMMARY)
+"""The files run_suite.sh writes at the top of its OUTDIR, in the order it writes them."""
+
+
+def bench_file(concurrency: int) -> str:
+    """The run folder's decode bench result at this concurrency (1 and 4 are the suite's)."""
+    return {1: BENCH_C1, 4: BENCH_C4}.get(concurrency, f"bench-c{concurrency}.json")
+
+
+# --------------------------------------------------------------------------------------------
+# The overwrite rule
+
+
+class OutputExists(SystemExit):
+    """An output that exists and was not allowed to be replaced. A SystemExit, so that a tool's
+    `main` needs no handler: the message goes to stderr and the exit status is 1."""
+
+    def __init__(self, path: str | os.PathLike, flag: str = "--force", what: str = "--output") -> None:
+        self.path = os.fspath(path)
+        super().__init__(f"error: {self.path} exists; pass {flag} to replace it, or choose another {what}")
+
+
+def check_output(path: str | os.PathLike | None, force: bool, flag: str = "--force", what: str = "--output") -> None:
+    """Refuse an existing output unless `force`: call before any work. `path` None (no output
+    asked for) or '-' (stdout) passes. `flag` is the option that allows replacing; `what` names
+    the option that gave the path, for the message."""
+    if path is None or os.fspath(path) in ("", "-") or force:
+        return
+    if os.path.lexists(path):
+        raise OutputExists(path, flag, what)
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic writes
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform or file system that cannot open a folder: the rename still happened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path in `path`'s folder (same suffix, for libraries that pick a format
+    by it, e.g. numpy's `.npy`) for the caller to write by name; on a clean exit it is fsync'ed
+    and replaces `path`; on an error it is removed and `path` is left as it was. The folder is
+    created if missing. The new file gets the mode a plain `open` would give it (0666 & ~umask)."""
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=f".tmp{target.suffix}")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_dir(str(directory))
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
+    """`open(path, mode)` that writes all or nothing: mode 'w' (text) or 'wb' (binary)."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open: mode must be 'w' or 'wb', not {mode!r}")
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, encoding=None if "b" in mode else encoding) as f:
+            yield f
+            f.flush()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` atomically."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+    """Write `text` to `path` atomically."""
+    with atomic_open(path, "w", encoding=encoding) as f:
+        f.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, indent: int | None = 1) -> None:
+    """Write `data` as JSON (and a final newline) to `path` atomically. Serialised before the
+    file is opened, so an object JSON cannot hold leaves nothing, not even a temporary file."""
+    atomic_write_text(path, json.dumps(data, indent=indent) + "\n")
