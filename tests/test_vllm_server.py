@@ -8,7 +8,8 @@ import json
 import pytest
 
 from magpie.demo.overlay import vllm_env
-from magpie.serving.process import VllmServer, group_members, metric_values
+from magpie.serving.metrics import MetricsSnapshot
+from magpie.serving.process import VllmServer, group_members
 
 pytestmark = pytest.mark.slow
 
@@ -46,9 +47,7 @@ def test_server_serves_a_chat_completion_and_metrics(plain_server):
     )
     assert reply["choices"][0]["finish_reason"] == "length"
     assert reply["usage"]["completion_tokens"] == 16
-    metrics = plain_server.get("/metrics")
-    generated = metric_values(metrics, "vllm:generation_tokens_total")
-    assert sum(generated.values()) >= 16
+    assert MetricsSnapshot.fetch(plain_server.url).sum("vllm:generation_tokens_total") >= 16
 
 
 def test_increment_model_continues_previous_id_plus_one(plain_server):
@@ -58,20 +57,14 @@ def test_increment_model_continues_previous_id_plus_one(plain_server):
 
 
 def test_mtp_server_accepts_every_draft_and_matches_plain_text(plain_server, mtp_server):
-    before = mtp_server.get("/metrics")
+    before = MetricsSnapshot.fetch(mtp_server.url)
     for prompt in PROMPTS:
         assert complete(mtp_server, prompt) == complete(plain_server, prompt)
-    after = mtp_server.get("/metrics")
-
-    def delta(name):
-        return sum(metric_values(after, name).values()) - sum(metric_values(before, name).values())
-
-    drafts = delta("vllm:spec_decode_num_drafts_total")
-    draft_tokens = delta("vllm:spec_decode_num_draft_tokens_total")
-    accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
-    assert drafts > 0
-    assert accepted == draft_tokens  # the MTP block predicts the target exactly
-    assert 1 + accepted / drafts == pytest.approx(3.0)  # k=2: every step yields 3 tokens
+    spec = MetricsSnapshot.fetch(mtp_server.url).spec_decode(before)
+    assert spec["drafts"] > 0 and spec["num_speculative_tokens"] == 2
+    assert spec["accepted_tokens"] == spec["draft_tokens"]  # the MTP block predicts the target exactly
+    assert spec["acceptance_length"] == pytest.approx(3.0)  # k=2: every step yields 3 tokens
+    assert spec["per_position_acceptance"] == [1.0, 1.0]
 
 
 def test_server_stops_by_pid_with_its_whole_process_group(plain_server, mtp_server):

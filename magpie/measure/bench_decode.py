@@ -23,16 +23,16 @@ and the run goes on. If the server dies, the results so far are written with
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import hashlib
 import json
 import os
 import sys
-import threading
 import time
 
+from magpie import cli, files
 from magpie.serving import client as vllm_client
+from magpie.serving.metrics import GENERATION_TOKENS, MetricsSnapshot
 
 SCHEMA = "flash-next/bench-decode/2"
 
@@ -226,12 +226,7 @@ def print_table(result: dict, out=sys.stdout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="bench_decode.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie bench-decode", __doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8100", help="server base URL (default: %(default)s)")
     parser.add_argument("--model", help="model name to request (default: the first one on /v1/models)")
     parser.add_argument("-n", "--num-prompts", type=int, default=8, help="measured requests (default: %(default)s)")
@@ -252,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request (default: %(default)s)")
     parser.add_argument("--label", default="", help="configuration name shown in tables and the report")
     parser.add_argument("--output", metavar="JSON", help="write the results here (default: table only)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    cli.add_force(parser, "the --output file")
     args = parser.parse_args(argv)
     if args.num_prompts < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.warmup < 0:
         parser.error("--num-prompts, --concurrency and --max-tokens must be >= 1, --warmup >= 0")
-    vllm_client.refuse_overwrite(args.output, args.force)
+    files.check_output(args.output, args.force)
     base = args.url.rstrip("/")
     prompts, source = load_prompts(args.prompts)
 
@@ -295,49 +290,38 @@ def main(argv: list[str] | None = None) -> int:
             result["status"] = "server-died"
             result["summary"] = summarize([], None, None, None, None)
             if args.output:
-                vllm_client.write_json(args.output, result)
+                files.atomic_write_json(args.output, result)
             return 3
 
-    metrics_before = vllm_client.http_get(base + "/metrics")
-    records: list[dict] = []
-    lock = threading.Lock()
-    next_index = iter(range(args.num_prompts))
-    stop = threading.Event()
-    show_progress = sys.stderr.isatty()
+    metrics_before = MetricsSnapshot.fetch(base)
     t0 = time.perf_counter()
 
-    def worker() -> None:
-        while not stop.is_set():
-            with lock:
-                index = next(next_index, None)
-            if index is None:
-                return
-            prompt_id = index % len(prompts)
-            raw = vllm_client.stream_chat(base, request_body(args, model, prompts[prompt_id]), args.timeout)
-            record = finish_record(index, prompt_id, raw, t0, args.min_decode_interval_ms / 1000)
-            with lock:
-                records.append(record)
-                done = len(records)
-            if show_progress:
-                print(f"\r  {done}/{args.num_prompts} requests", end="", file=sys.stderr, flush=True)
-            if not raw["ok"] and raw["server_gone"] and not vllm_client.server_alive(base):
-                stop.set()
+    def body(index: int) -> dict:
+        return request_body(args, model, prompts[index % len(prompts)])
 
-    status = vllm_client.run_workers(args.concurrency, worker, stop)
-    if show_progress:
-        print(file=sys.stderr)
+    def make_record(index: int, raw: dict) -> dict:
+        return finish_record(index, index % len(prompts), raw, t0, args.min_decode_interval_ms / 1000)
+
+    records, status = vllm_client.run_requests(
+        base,
+        args.num_prompts,
+        args.concurrency,
+        body,
+        make_record,
+        args.timeout,
+        progress=lambda done: f"{len(done)}/{args.num_prompts} requests",
+    )
     ends = [r["end_s"] for r in records if r["end_s"] is not None]
     duration = max(ends) if ends else None
-    records.sort(key=lambda r: r["index"])
 
     spec, deltas, generated, engine_decode = None, {}, None, None
     if status == "complete":
         try:
-            metrics_after = vllm_client.http_get(base + "/metrics")
-            spec = vllm_client.spec_decode_figures(metrics_before, metrics_after)
-            deltas = vllm_client.counter_deltas(metrics_before, metrics_after)
-            generated = vllm_client.metric_delta(metrics_before, metrics_after, vllm_client.GENERATION_TOKENS)
-            engine_decode = vllm_client.engine_decode_rate(metrics_before, metrics_after)
+            metrics_after = MetricsSnapshot.fetch(base)
+            spec = metrics_after.spec_decode(metrics_before)
+            deltas = metrics_after.counter_deltas(metrics_before)
+            generated = metrics_after.delta(metrics_before, GENERATION_TOKENS)
+            engine_decode = metrics_after.engine_decode_rate(metrics_before)
         except OSError as e:
             print(f"warning: /metrics after the run failed: {e}", file=sys.stderr)
     result["status"] = status
@@ -345,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     result["metrics_delta"] = deltas or None
     result["records"] = records
     if args.output:
-        vllm_client.write_json(args.output, result)
+        files.atomic_write_json(args.output, result)
     print_table(result)
     if status == "server-died":
         print(f"error: the server at {base} stopped answering; partial results written", file=sys.stderr)

@@ -21,16 +21,15 @@ written).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import hashlib
 import json
 import os
 import re
 import sys
-import threading
 import time
 
+from magpie import cli, files
 from magpie.serving import client as vllm_client
 
 SCHEMA = "flash-next/gsm8k/1"
@@ -113,24 +112,18 @@ def load_dataset(path: str) -> tuple[list[dict], str]:
     return problems, digest
 
 
-def ask(base: str, model: str, question: str, args) -> dict:
-    body = {
+def request_body(model: str, question: str, args) -> dict:
+    return {
         "model": model,
         "messages": [{"role": "user", "content": PROMPT_TEMPLATE.format(question=question)}],
         "max_tokens": args.max_tokens,
         "temperature": 0.0,
         "chat_template_kwargs": {"enable_thinking": args.thinking},
     }
-    return vllm_client.stream_chat(base, body, args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="gsm8k_eval.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie gsm8k", __doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8100", help="server base URL (default: %(default)s)")
     parser.add_argument("--model", help="model name to request (default: the first one on /v1/models)")
     parser.add_argument("--dataset", required=True, help="GSM8K-format JSONL or parquet file")
@@ -146,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per request (default: %(default)s)")
     parser.add_argument("--label", default="", help="configuration name shown in tables and the report")
     parser.add_argument("--output", metavar="JSON", help="write the results here (default: table only)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    cli.add_force(parser, "the --output file")
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.max_tokens < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--concurrency, --max-tokens and --limit must be >= 1")
-    vllm_client.refuse_overwrite(args.output, args.force)
+    files.check_output(args.output, args.force)
     problems, digest = load_dataset(args.dataset)
     if args.expect_records is not None and len(problems) != args.expect_records:
         print(
@@ -168,51 +161,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = args.model or vllm_client.served_model(base)
 
-    records: list[dict] = []
-    lock = threading.Lock()
-    indices = iter(range(len(problems)))
-    stop = threading.Event()
-    show_progress = sys.stderr.isatty()
+    def body(index: int) -> dict:
+        return request_body(model, problems[index]["question"], args)
+
+    def make_record(index: int, raw: dict) -> dict:
+        problem = problems[index]
+        predicted, method = extract_answer(raw["text"]) if raw["ok"] else (None, "none")
+        return {
+            "index": index,
+            "ok": raw["ok"],
+            "error": raw["error"],
+            "reference": problem["reference"],
+            "predicted": predicted,
+            "extraction": method,
+            "correct": bool(raw["ok"] and predicted is not None and abs(predicted - problem["reference"]) < 1e-6),
+            "truncated": raw["finish_reason"] == "length",
+            "finish_reason": raw["finish_reason"],
+            "prompt_tokens": raw["prompt_tokens"],
+            "output_tokens": raw["completion_tokens"],
+            "latency_s": (raw["t_last"] - raw["t_sent"]) if raw["t_last"] else None,
+            "question": problem["question"],
+            "reply": raw["text"],
+        }
+
+    def progress(done: list[dict]) -> str:
+        return f"{len(done)}/{len(problems)} answered, {sum(r['correct'] for r in done)} correct"
+
     t0 = time.perf_counter()
-
-    def worker() -> None:
-        while not stop.is_set():
-            with lock:
-                index = next(indices, None)
-            if index is None:
-                return
-            problem = problems[index]
-            raw = ask(base, model, problem["question"], args)
-            predicted, method = extract_answer(raw["text"]) if raw["ok"] else (None, "none")
-            record = {
-                "index": index,
-                "ok": raw["ok"],
-                "error": raw["error"],
-                "reference": problem["reference"],
-                "predicted": predicted,
-                "extraction": method,
-                "correct": bool(raw["ok"] and predicted is not None and abs(predicted - problem["reference"]) < 1e-6),
-                "truncated": raw["finish_reason"] == "length",
-                "finish_reason": raw["finish_reason"],
-                "prompt_tokens": raw["prompt_tokens"],
-                "output_tokens": raw["completion_tokens"],
-                "latency_s": (raw["t_last"] - raw["t_sent"]) if raw["t_last"] else None,
-                "question": problem["question"],
-                "reply": raw["text"],
-            }
-            with lock:
-                records.append(record)
-                if show_progress:
-                    right = sum(r["correct"] for r in records)
-                    print(f"\r  {len(records)}/{len(problems)} answered, {right} correct", end="", file=sys.stderr)
-            if not raw["ok"] and raw["server_gone"] and not vllm_client.server_alive(base):
-                stop.set()
-
-    status = vllm_client.run_workers(args.concurrency, worker, stop)
-    if show_progress:
-        print(file=sys.stderr)
+    records, status = vllm_client.run_requests(
+        base, len(problems), args.concurrency, body, make_record, args.timeout, progress
+    )
     wall = time.perf_counter() - t0
-    records.sort(key=lambda r: r["index"])
     answered = [r for r in records if r["ok"]]
     output_tokens = sum(r["output_tokens"] for r in records)
     summary = {
@@ -255,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "records": records,
     }
     if args.output:
-        vllm_client.write_json(args.output, result)
+        files.atomic_write_json(args.output, result)
     print(
         f"gsm8k_eval  {args.label}  status={status}  dataset {os.path.basename(args.dataset)} "
         f"({total_in_file} problems, sha256 {digest[:12]})"

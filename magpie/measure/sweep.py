@@ -52,17 +52,15 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 
+from magpie import cli, files
 from magpie.measure import bench_decode
 from magpie.serving import client as vllm_client
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from magpie.serving.process import ServerDied, ServeShServer
 
 SCHEMA = "flash-next/sweep/1"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -205,79 +203,11 @@ def make_prompts(base: str, model: str, style: str, input_len: int, count: int, 
 # Servers
 
 
-class LaunchedServer:
-    """serve.sh for one configuration, in its own session; stopped by the PIDs it started."""
-
-    def __init__(self, config: dict, args, log_path: str):
-        self.config = config
-        self.log_path = log_path
-        self.port = vllm_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = dict(os.environ)
-        self.env.update(
-            {
-                "MODEL": args.model,
-                "HOST": "127.0.0.1",
-                "PORT": str(self.port),
-                "VLLM_SERVER_DEV_MODE": "1",
-                "PID_FILE": log_path + ".pid",
-            }
-        )
-        self.env.update(config["env"])
-        self.cmd = ["bash", os.path.join(HERE, "..", "serving", "serve.sh"), log_path, *args.serve_arg]
-        self.proc: subprocess.Popen | None = None
-        self.server_pid: int | None = None
-
-    def start(self, timeout: float) -> None:
-        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        self.stderr = open(self.log_path + ".serve-sh.err", "w")
-        self.proc = subprocess.Popen(
-            self.cmd, env=self.env, stdout=self.stderr, stderr=self.stderr, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"serve.sh exited with {self.proc.returncode} during start-up; see {self.log_path} "
-                    f"and {self.stderr.name}"
-                )
-            if self.server_pid is None and os.path.exists(self.env["PID_FILE"]):
-                try:
-                    self.server_pid = int(open(self.env["PID_FILE"]).read())
-                except ValueError:
-                    pass
-            if vllm_client.server_alive(self.url, timeout=5):
-                return
-            time.sleep(2)
-        self.stop()
-        raise RuntimeError(f"{self.config['name']}: server not healthy after {timeout:.0f} s; see {self.log_path}")
-
-    def stop(self, grace: float = 60) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # serve.sh stops the server's process group
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        for pgid in (self.server_pid, self.proc.pid):
-            if pgid:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=30)
-        self.stderr.close()
-
-
-def vllm_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def launched_server(config: dict, args, log_path: str) -> ServeShServer:
+    """serve.sh for one launched configuration, with MODEL=--model and VLLM_SERVER_DEV_MODE=1
+    (for /reset_prefix_cache) over the caller's environment, then the configuration's settings."""
+    env = {**os.environ, "MODEL": args.model, "VLLM_SERVER_DEV_MODE": "1", **config["env"]}
+    return ServeShServer(log_path, env, args.serve_arg)
 
 
 def reset_prefix_cache(base: str, attempts: int = 10) -> None:
@@ -408,13 +338,6 @@ def _csv(rows: list[dict], fields: list[str]) -> str:
     return out.getvalue()
 
 
-def _write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_results(run_dir: str, plan: dict) -> dict:
     """Rebuild results.json / results.csv / points.csv from the point files on disk."""
     points, summaries = [], []
@@ -450,9 +373,9 @@ def write_results(run_dir: str, plan: dict) -> dict:
         "summary": summaries,
         "points": points,
     }
-    vllm_client.write_json(os.path.join(run_dir, "results.json"), document)
-    _write_text(os.path.join(run_dir, "results.csv"), _csv(summaries, SUMMARY_FIELDS))
-    _write_text(os.path.join(run_dir, "points.csv"), _csv(points, POINT_FIELDS))
+    files.atomic_write_json(os.path.join(run_dir, "results.json"), document)
+    files.atomic_write_text(os.path.join(run_dir, "results.csv"), _csv(summaries, SUMMARY_FIELDS))
+    files.atomic_write_text(os.path.join(run_dir, "points.csv"), _csv(points, POINT_FIELDS))
     return document
 
 
@@ -516,7 +439,7 @@ def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
         plan["repeats"] = max(old.get("repeats", 0), args.repeats)
     else:
         plan["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    vllm_client.write_json(path, plan)
+    files.atomic_write_json(path, plan)
     return plan
 
 
@@ -527,7 +450,7 @@ def run_point(base: str, model: str, args, run_dir: str, config: str, input_len:
     if not os.path.exists(prompt_file):
         prompts = make_prompts(base, model, args.prompt_style, input_len, count, args.seed * 1000 + repeat)
         os.makedirs(os.path.dirname(prompt_file), exist_ok=True)
-        _write_text(prompt_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        files.atomic_write_text(prompt_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     if args.reset_prefix_cache:
         reset_prefix_cache(base)
     path = point_path(run_dir, config, input_len, concurrency, repeat)
@@ -550,12 +473,7 @@ def run_point(base: str, model: str, args, run_dir: str, config: str, input_len:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="sweep.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie sweep", __doc__)
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (created; reused to resume)")
     parser.add_argument("--config", type=parse_config, action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="a configuration the sweep launches through serve.sh (repeatable)")  # fmt: skip
@@ -564,21 +482,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="the checkpoint folder for launched configurations (serve.sh's MODEL)")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="a `vllm serve` argument for every launched server (repeatable)")  # fmt: skip
-    parser.add_argument("--input-lens", type=int_list, default=[4096, 16384, 65536, 131072],
-                        help="prompt lengths in tokens (default: 4096,16384,65536,131072)")  # fmt: skip
-    parser.add_argument("--concurrency", type=int_list, default=[1, 4], help="requests in flight (default: 1,4)")
+    parser.add_argument("--input-lens", type=int_list, default="4096,16384,65536,131072",
+                        help="prompt lengths in tokens")  # fmt: skip
+    parser.add_argument("--concurrency", type=int_list, default="1,4", help="requests in flight")
     parser.add_argument("--repeats", type=int, default=3, help="runs per point (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=256, help="tokens per request (default: %(default)s)")
     parser.add_argument("--prompts-per-point", type=int, default=8,
                         help="requests per run, at least the concurrency (default: %(default)s)")  # fmt: skip
     parser.add_argument("--prompt-style", choices=["chat", "random"], default="chat", help="default: %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
-    parser.add_argument("--min-free", type=parse_size, default=parse_size("6GiB"),
-                        help="memory gate: MemAvailable needed before each run (default: 6GiB)")  # fmt: skip
+    parser.add_argument("--min-free", type=parse_size, default="6GiB",
+                        help="memory gate: MemAvailable needed before each run")  # fmt: skip
     parser.add_argument("--gate-wait", type=float, default=120,
                         help="seconds to wait for the gate, then stop (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--no-reset-prefix-cache", dest="reset_prefix_cache", action="store_false",
-                        help="do not POST /reset_prefix_cache before each run (default: reset)")  # fmt: skip
+    parser.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="POST /reset_prefix_cache before each run")  # fmt: skip
     parser.add_argument("--start-timeout", type=float, default=1800,
                         help="seconds for a launched server to become healthy (default: %(default)s)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900, help="seconds per request (default: %(default)s)")
@@ -608,12 +526,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if config["kind"] == "launched":
                 stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-                server = LaunchedServer(config, args, os.path.join(run_dir, "servers", f"{config['name']}-{stamp}.log"))
+                log = os.path.join(run_dir, "servers", f"{config['name']}-{stamp}.log")
+                server = launched_server(config, args, log)
                 print(f"sweep: {config['name']}: starting serve.sh (log {server.log_path})", file=sys.stderr)
                 try:
                     server.start(args.start_timeout)
-                except RuntimeError as e:
-                    print(f"error: {e}", file=sys.stderr)
+                except (ServerDied, TimeoutError) as e:
+                    print(f"error: {config['name']}: {e}", file=sys.stderr)
                     return 3
                 base = server.url
             else:

@@ -20,18 +20,16 @@ speed-up, identical_outputs, then the per-request records), and a table on stdou
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from magpie import cli, files
+from magpie.serving.client import COMPLETIONS, stream_chat
+from magpie.serving.metrics import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS, MetricsSnapshot
+from magpie.serving.process import VllmServer
 
 SCHEMA = "mtp_pruning/bench-pruned-vs-unpruned/1"
 PROMPTS = [
@@ -42,130 +40,70 @@ PROMPTS = [
     "A student reads an old book before dinner",
     "The server returns the value again",
 ]
-COUNTERS = {
-    "drafts": "vllm:spec_decode_num_drafts_total",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
-}
+COUNTERS = {"drafts": SPEC_DRAFTS, "draft_tokens": SPEC_DRAFT_TOKENS, "accepted": SPEC_ACCEPTED}
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+def start_server(args, name: str, spec: dict) -> VllmServer:
+    """vLLM with MTP `spec` on 127.0.0.1 and a free port, served as "bench", its log in --log-dir."""
+    return VllmServer(
+        args.model,
+        ["--speculative-config", json.dumps(spec), *args.server_arg],
+        log_path=Path(args.log_dir) / f"{name}.log",
+        python=args.python,
+        served_name="bench",
+        max_model_len=None,  # the model's own
+    )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def counters(server: VllmServer) -> dict[str, float]:
+    page = MetricsSnapshot.fetch(server.url)
+    return {key: page.sum(name) or 0.0 for key, name in COUNTERS.items()}
 
 
-class Server:
-    """One vLLM server process (its own process group), addressed by the PID started here."""
-
-    def __init__(self, python: str, model: str, spec: dict, extra: list[str], log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.cmd = [
-            python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "bench",
-            "--host", "127.0.0.1", "--port", str(self.port), "--speculative-config", json.dumps(spec), *extra,
-        ]  # fmt: skip
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float) -> float:
-        t0 = time.monotonic()
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up; see {self.log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"server not healthy after {timeout} s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def counters(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
-            page = resp.read().decode()
-        values = dict.fromkeys(COUNTERS, 0.0)
-        for line in page.splitlines():
-            for key, name in COUNTERS.items():
-                if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-                    values[key] += float(line.rpartition(" ")[2])
-        return values
-
-    def complete(self, prompt: str, max_tokens: int) -> dict:
-        body = {
-            "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "return_token_ids": True, "ignore_eos": True,
-        }  # fmt: skip
-        request = urllib.request.Request(
-            self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        token_ids: list[int] = []
-        first_chunk = 0
-        t_sent, t_first, t_last = time.monotonic(), None, None
-        with urllib.request.urlopen(request, timeout=600) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                choice = json.loads(line[6:])["choices"][0]
-                ids = choice.get("token_ids") or []
-                if ids:
-                    t_last = time.monotonic()
-                    if t_first is None:
-                        t_first, first_chunk = t_last, len(ids)
-                    token_ids.extend(ids)
-        decode = None
-        if t_first is not None and t_last > t_first:
-            decode = (len(token_ids) - first_chunk) / (t_last - t_first)
-        return {
-            "prompt": prompt,
-            "tokens": len(token_ids),
-            "ttft_s": None if t_first is None else t_first - t_sent,
-            "latency_s": None if t_last is None else t_last - t_sent,
-            "decode_tok_per_s": decode,
-            "token_ids": token_ids,
-        }
+def complete(server: VllmServer, prompt: str, max_tokens: int) -> dict:
+    """One greedy streamed text completion of `max_tokens` tokens; decode tok/s = the tokens after
+    the first chunk over the time from the first to the last token."""
+    body = {
+        "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True, "ignore_eos": True,
+    }  # fmt: skip
+    raw = stream_chat(server.url, body, timeout=600, endpoint=COMPLETIONS)
+    if not raw["ok"]:
+        raise RuntimeError(f"request to {server.url}{COMPLETIONS} failed: {raw['error']}; see {server.log_path}")
+    decode = None
+    if raw["t_first"] is not None and raw["t_last"] > raw["t_first"]:
+        decode = (raw["completion_tokens"] - raw["first_chunk_tokens"]) / (raw["t_last"] - raw["t_first"])
+    return {
+        "prompt": prompt,
+        "tokens": raw["completion_tokens"],
+        "ttft_s": None if raw["t_first"] is None else raw["t_first"] - raw["t_sent"],
+        "latency_s": None if raw["t_last"] is None else raw["t_last"] - raw["t_sent"],
+        "decode_tok_per_s": decode,
+        "token_ids": raw["token_ids"],
+    }
 
 
 def measure(args, name: str, spec: dict, prompts: list[str]) -> dict:
-    server = Server(args.python, args.model, spec, args.server_arg, Path(args.log_dir) / f"{name}.log")
-    print(f"[{name}] starting vLLM ({' '.join(server.cmd[1:4])} ...), log {server.log}", file=sys.stderr)
+    server = start_server(args, name, spec)
+    print(f"[{name}] starting vLLM ({' '.join(server.cmd[1:4])} ...), log {server.log_path}", file=sys.stderr)
     try:
-        startup = server.start(args.startup_timeout)
-        server.complete(prompts[0], min(16, args.max_tokens))  # warm-up, outside the counters
-        before = server.counters()
+        server.start(args.startup_timeout)
+        complete(server, prompts[0], min(16, args.max_tokens))  # warm-up, outside the counters
+        before = counters(server)
         t0 = time.monotonic()
         records = []
         for i, prompt in enumerate(prompts):
-            records.append(server.complete(prompt, args.max_tokens))
+            records.append(complete(server, prompt, args.max_tokens))
             print(f"[{name}] {i + 1}/{len(prompts)} requests", file=sys.stderr)
         wall = time.monotonic() - t0
-        after = server.counters()
+        after = counters(server)
     finally:
         server.stop()
     delta = {key: after[key] - before[key] for key in COUNTERS}
     rates = [r["decode_tok_per_s"] for r in records if r["decode_tok_per_s"]]
-    log = server.log.read_text(errors="replace")
+    log = server.log_path.read_text(errors="replace")
     return {
-        "startup_s": startup,
+        "startup_s": server.startup_s,
         "requests": len(records),
         "output_tokens": sum(r["tokens"] for r in records),
         "wall_s": wall,
@@ -175,13 +113,13 @@ def measure(args, name: str, spec: dict, prompts: list[str]) -> dict:
         "acceptance_length": 1 + delta["accepted"] / delta["drafts"] if delta["drafts"] else None,
         "spec_counters": delta,
         "log_lines": [line.split("] ", 1)[-1] for line in log.splitlines() if "MTP draft vocab pruned" in line],
-        "log": str(server.log),
+        "log": str(server.log_path),
         "records": records,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = cli.parser("magpie bench-pruned", __doc__)
     parser.add_argument("--model", required=True, help="model folder (target with MTP weights)")
     parser.add_argument("--keepset", required=True, help="keep-set for the pruned run (.npy/.pt/.safetensors)")
     parser.add_argument("--python", default=sys.executable, help="interpreter of the patched vLLM environment")
@@ -193,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=1200, help="seconds to wait for /health")
     parser.add_argument("--log-dir", default=".", help="folder for the two server logs")
     parser.add_argument("--output", help="JSON results file")
+    cli.add_force(parser, "the --output file")
     args = parser.parse_args(argv)
+    files.check_output(args.output, args.force)
 
     source = PROMPTS
     if args.prompts:
@@ -219,14 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         "schema": SCHEMA,
         "model": args.model,
         "keepset": keepset,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("output",)},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output", "force")},
         "summary": summary,
         "decode_speedup": speedup,
         "identical_outputs": identical,
         "records": {name: run["records"] for name, run in runs.items()},
     }
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        files.atomic_write_json(args.output, result, indent=2)
     print(f"{'server':10} {'decode tok/s':>13} {'aggregate tok/s':>16} {'acceptance':>11} {'L':>6}")
     for name, run in summary.items():
         rate, length = run["acceptance_rate"], run["acceptance_length"]

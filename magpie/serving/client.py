@@ -1,21 +1,20 @@
 """What the Flash-Next tools share to talk to a vLLM OpenAI-compatible server (standard library only).
 
-- `stream_chat()`: one streaming `/v1/chat/completions` request, timed chunk by chunk, with the
-  token counts vLLM reports in every chunk (`continuous_usage_stats`): under MTP one chunk
-  carries several tokens, so counting chunks would under-count.
-- `parse_metrics()` / `spec_decode_figures()`: the Prometheus page and the speculative-decoding
-  figures computed from two snapshots of its counters.
+- `stream_chat()`: one streaming `/v1/chat/completions` (or `/v1/completions`) request, timed
+  chunk by chunk, with the token counts vLLM reports in every chunk (`continuous_usage_stats`):
+  under MTP one chunk carries several tokens, so counting chunks would under-count.
+- `run_requests()`: N such requests at concurrency C, one record each, stopping when the server
+  is gone (the loop of bench_decode and gsm8k_eval).
+- `request_timing()` and the statistics: per-request figures as `vllm bench serve` defines them.
 - `server_alive()`: tells a failed request from a dead server.
-- `write_json()`: results are written whole or not at all (temporary file, then rename).
+- The `/metrics` page is read by `magpie.serving.metrics.MetricsSnapshot`.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
-import re
-import tempfile
+import sys
 import threading
 import time
 import urllib.error
@@ -65,8 +64,15 @@ def server_version(base_url: str, timeout: float = 30) -> str | None:
         return None
 
 
-def stream_chat(base_url: str, body: dict, timeout: float = 600, on_tokens=None) -> dict:
-    """Send one streaming chat completion; return a record of what came back and when.
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def stream_chat(
+    base_url: str, body: dict, timeout: float = 600, on_tokens=None, endpoint: str = CHAT_COMPLETIONS
+) -> dict:
+    """Send one streaming chat completion (a text completion with `endpoint=COMPLETIONS`, whose
+    body has a `prompt` instead of `messages`); return a record of what came back and when.
 
     The record always has `ok`; on failure `error` says what happened and `server_gone` is True
     when the connection itself failed (the caller checks /health to tell a dead server).
@@ -103,7 +109,7 @@ def stream_chat(base_url: str, body: dict, timeout: float = 600, on_tokens=None)
         record["t_sent"] = time.perf_counter()
         conn.request(
             "POST",
-            (parsed.path.rstrip("/") or "") + "/v1/chat/completions",
+            (parsed.path.rstrip("/") or "") + endpoint,
             body=json.dumps(body),
             headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
         )
@@ -138,8 +144,10 @@ def stream_chat(base_url: str, body: dict, timeout: float = 600, on_tokens=None)
             if usage.get("prompt_tokens") is not None:
                 record["prompt_tokens"] = usage["prompt_tokens"]
             for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                text_parts.append(delta.get("content") or "")
+                if "delta" in choice:  # chat: {"delta": {"content": ...}}
+                    text_parts.append((choice["delta"] or {}).get("content") or "")
+                else:  # text completion: {"text": ...}
+                    text_parts.append(choice.get("text") or "")
                 record["token_ids"].extend(choice.get("token_ids") or [])
                 if choice.get("finish_reason"):
                     record["finish_reason"] = choice["finish_reason"]
@@ -177,141 +185,7 @@ def stream_chat(base_url: str, body: dict, timeout: float = 600, on_tokens=None)
 
 
 # --------------------------------------------------------------------------------------------
-# Prometheus metrics
-
-_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\d+)?$")
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples of a Prometheus text page: (name, labels, value)."""
-    samples = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE_RE.match(line.strip())
-        if not match:
-            continue
-        labels = dict(_LABEL_RE.findall(match.group(2) or ""))
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        samples.append((match.group(1), labels, value))
-    return samples
-
-
-def metric_sum(samples, name: str, **labels: str) -> float | None:
-    """Sum of the samples named `name` whose labels include `labels` (all engines); None if absent."""
-    values = [v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items())]
-    return sum(values) if values else None
-
-
-SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
-SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-
-
-def metric_delta(before: str, after: str, name: str, **labels: str) -> float | None:
-    """after - before of one counter summed over engines; None when the server does not export it."""
-    last = metric_sum(parse_metrics(after), name, **labels)
-    if last is None:
-        return None
-    return last - (metric_sum(parse_metrics(before), name, **labels) or 0.0)
-
-
-DECODE_TIME_SUM = "vllm:request_decode_time_seconds_sum"
-DECODE_TIME_COUNT = "vllm:request_decode_time_seconds_count"
-
-
-def engine_decode_rate(before: str, after: str) -> float | None:
-    """Decode tok/s per request from the engine's own timestamps, between two /metrics snapshots.
-
-    vLLM times each finished request's decode from its first to its last token with the engine
-    core's timestamps, so a busy front-end (chunks arriving in bursts) does not distort it:
-    (generated tokens - one first token per request) / summed decode seconds.
-    """
-    seconds = metric_delta(before, after, DECODE_TIME_SUM)
-    requests = metric_delta(before, after, DECODE_TIME_COUNT)
-    tokens = metric_delta(before, after, GENERATION_TOKENS)
-    if not seconds or requests is None or tokens is None:
-        return None
-    return (tokens - requests) / seconds
-
-
-def counter_deltas(before: str, after: str) -> dict[str, float]:
-    """after - before for every `*_total` counter sample (labels folded into the key)."""
-
-    def keyed(text):
-        out = {}
-        for name, labels, value in parse_metrics(text):
-            if name.endswith("_total"):
-                key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-                out[key] = value
-        return out
-
-    first, second = keyed(before), keyed(after)
-    return {key: second[key] - first.get(key, 0.0) for key in sorted(second)}
-
-
-def spec_decode_figures(before: str, after: str) -> dict | None:
-    """MTP acceptance between two /metrics snapshots, or None when speculative decoding is off.
-
-    acceptance_length = 1 + accepted / drafts (tokens emitted per verification step),
-    acceptance_rate = accepted / draft_tokens, per_position[i] = accepted at position i / drafts.
-    """
-    b, a = parse_metrics(before), parse_metrics(after)
-    if metric_sum(a, SPEC_DRAFTS) is None:
-        return None
-
-    def delta(name, **labels):
-        return (metric_sum(a, name, **labels) or 0.0) - (metric_sum(b, name, **labels) or 0.0)
-
-    drafts, draft_tokens, accepted = delta(SPEC_DRAFTS), delta(SPEC_DRAFT_TOKENS), delta(SPEC_ACCEPTED)
-    positions = sorted({int(lab["position"]) for n, lab, _ in a if n == SPEC_PER_POS and "position" in lab})
-    per_pos_accepted = [delta(SPEC_PER_POS, position=str(p)) for p in positions]
-    return {
-        "drafts": drafts,
-        "draft_tokens": draft_tokens,
-        "accepted_tokens": accepted,
-        "accepted_per_position": per_pos_accepted,
-        "acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        "per_position_acceptance": [x / drafts for x in per_pos_accepted] if drafts else None,
-        "num_speculative_tokens": len(positions),
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Output files
-
-
-def refuse_overwrite(path: str | None, force: bool) -> None:
-    if path and os.path.exists(path) and not force:
-        raise SystemExit(f"error: {path} exists; pass --force to replace it, or choose another --output")
-
-
-def write_json(path: str, data: dict) -> None:
-    """Write JSON atomically: a reader never sees half a file, a crash leaves the old one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        # mkstemp creates the file 0600; a result file is as readable as any other the user writes.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+# Statistics
 
 
 def stats(values: list[float]) -> dict | None:
@@ -462,3 +336,48 @@ def run_workers(concurrency: int, worker: Callable[[], None], stop: threading.Ev
     if stop.is_set() and status == "complete":
         status = "server-died"
     return status
+
+
+def run_requests(
+    base_url: str,
+    count: int,
+    concurrency: int,
+    body: Callable[[int], dict],
+    make_record: Callable[[int, dict], dict],
+    timeout: float = 600,
+    progress: Callable[[list[dict]], str] | None = None,
+) -> tuple[list[dict], str]:
+    """Stream requests 0 .. count-1 (`body(index)`, to the chat endpoint) with `concurrency` in
+    flight; turn each `stream_chat()` record into the caller's record with `make_record(index,
+    raw)`, which must carry `index`. A failed request is recorded and the run goes on; when a
+    request's connection failed and /health does not answer either, no new request starts.
+
+    `progress(records)` (called under the lock after every record) gives the line shown on a
+    terminal's stderr. Returns the records sorted by index and the run's status: "complete",
+    "interrupted" (Ctrl-C) or "server-died"."""
+    records: list[dict] = []
+    lock = threading.Lock()
+    indices = iter(range(count))
+    stop = threading.Event()
+    show_progress = progress is not None and sys.stderr.isatty()
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                index = next(indices, None)
+            if index is None:
+                return
+            raw = stream_chat(base_url, body(index), timeout)
+            record = make_record(index, raw)
+            with lock:
+                records.append(record)
+                if show_progress:
+                    print(f"\r  {progress(records)}", end="", file=sys.stderr, flush=True)
+            if not raw["ok"] and raw["server_gone"] and not server_alive(base_url):
+                stop.set()
+
+    status = run_workers(concurrency, worker, stop)
+    if show_progress:
+        print(file=sys.stderr)
+    records.sort(key=lambda r: r["index"])
+    return records, status

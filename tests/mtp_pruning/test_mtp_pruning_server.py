@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from magpie.demo.overlay import vllm_env
-from magpie.serving.process import VllmServer, metric_values
+from magpie.serving.metrics import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS, MetricsSnapshot
+from magpie.serving.process import VllmServer
 from tests.mtp_pruning.pruning_helpers import run_script
 
 pytestmark = pytest.mark.slow
@@ -48,13 +49,9 @@ def generate(server: VllmServer, max_tokens: int) -> list[dict]:
 
 
 def spec_counters(server: VllmServer) -> dict[str, float]:
-    page = server.get("/metrics")
-    names = {
-        "drafts": "vllm:spec_decode_num_drafts_total",
-        "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-        "accepted": "vllm:spec_decode_num_accepted_tokens_total",
-    }
-    return {key: sum(metric_values(page, name).values()) for key, name in names.items()}
+    page = MetricsSnapshot.fetch(server.url)
+    names = {"drafts": SPEC_DRAFTS, "draft_tokens": SPEC_DRAFT_TOKENS, "accepted": SPEC_ACCEPTED}
+    return {key: page.sum(name) or 0.0 for key, name in names.items()}
 
 
 def serve(model: Path, overlay: Path, log: Path, keep: Path | None = None) -> VllmServer:

@@ -25,8 +25,7 @@ import numpy
 import pytest
 
 from magpie.measure import report, trace_split
-from magpie.serving.process import metric_values
-from tests.serving.helpers import MEASURE, PACKAGE, PYTHON, REPO, ServeSh, run_tool, tool
+from tests.serving.helpers import MEASURE, PACKAGE, PYTHON, REPO, ServeSh, counter_samples, run_tool, tool
 
 pytestmark = pytest.mark.slow
 
@@ -248,7 +247,7 @@ def test_bench_json_is_schema_valid_with_plausible_figures(mtp_results):
 
 
 def test_acceptance_figures_equal_raw_metrics_counters(mtp_server, tmp_path):
-    before = metric_values_page(mtp_server)
+    before = mtp_server.get("/metrics")
     out = tmp_path / "bench.json"
     proc = run_tool(
         "bench_decode.py",
@@ -266,11 +265,11 @@ def test_acceptance_figures_equal_raw_metrics_counters(mtp_server, tmp_path):
         str(out),
     )
     assert proc.returncode == 0, proc.stderr
-    after = metric_values_page(mtp_server)
+    after = mtp_server.get("/metrics")
 
-    def delta(name, position=None):
-        a = metric_values(after, name)
-        b = metric_values(before, name)
+    def delta(name, position=None):  # the test's own reading of the two pages, not the bench's
+        a = counter_samples(after, name)
+        b = counter_samples(before, name)
         keys = [k for k in a if position is None or f'position="{position}"' in k]
         return sum(a[k] - b.get(k, 0.0) for k in keys)
 
@@ -284,13 +283,6 @@ def test_acceptance_figures_equal_raw_metrics_counters(mtp_server, tmp_path):
     assert spec["acceptance_rate"] == pytest.approx(accepted / draft_tokens)
     per_pos = [delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", p) / drafts for p in range(MTP_TOKENS)]
     assert spec["per_position_acceptance"] == pytest.approx(per_pos)
-
-
-def metric_values_page(server: ServeSh) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as resp:
-        return resp.read().decode()
 
 
 def test_gsm8k_json_is_schema_valid_and_consistent(mtp_results, gsm8k_fixture):
@@ -473,7 +465,7 @@ def test_killing_the_server_mid_bench_leaves_partial_json_and_nonzero_exit(plain
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        done = metric_values(metric_values_page(plain_server), "vllm:request_success_total")
+        done = counter_samples(plain_server.get("/metrics"), "vllm:request_success_total")
         if sum(done.values()) >= 3:
             break
         time.sleep(0.2)

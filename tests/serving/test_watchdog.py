@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from magpie.demo.overlay import vllm_env
-from magpie.serving.process import VllmServer, group_members, metric_values
+from magpie.serving.metrics import MetricsSnapshot
+from magpie.serving.process import VllmServer, group_members
 from tests.serving.helpers import PYTHON, tool
 
 
@@ -54,7 +55,7 @@ LONG_TOKENS = 4000  # a few seconds of decoding on an idle CPU: longer than the 
 
 
 def running(server: VllmServer) -> float:
-    return sum(metric_values(server.get("/metrics"), "vllm:num_requests_running").values())
+    return MetricsSnapshot.fetch(server.url).sum("vllm:num_requests_running") or 0.0
 
 
 def long_request(server: VllmServer, result: dict) -> threading.Thread:
