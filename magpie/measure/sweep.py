@@ -67,13 +67,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_ALIASES = {"mtp": "MTP", "draft_vocab": "DRAFT_VOCAB_PATH"}
 # Settings that define what a point measures: a rerun with other values would mix two sweeps.
 FIXED_SETTINGS = ("output_len", "prompt_style", "seed", "prompts_per_point")
-SUMMARY_FIELDS = [
-    "config",
-    "input_len",
-    "concurrency",
-    "repeats",
-    "requests",
-    "failed",
+# The latency figures of a run (points.csv) and of a point pooled over its repeats (results.csv).
+LATENCY_FIELDS = [
     "prompt_tokens_mean",
     "ttft_p50_ms",
     "ttft_p99_ms",
@@ -81,6 +76,15 @@ SUMMARY_FIELDS = [
     "tpot_p99_ms",
     "itl_p50_ms",
     "itl_p99_ms",
+]
+SUMMARY_FIELDS = [
+    "config",
+    "input_len",
+    "concurrency",
+    "repeats",
+    "requests",
+    "failed",
+    *LATENCY_FIELDS,
     "e2el_p50_ms",
     "decode_tok_s_median",
     "decode_unmeasured",
@@ -97,13 +101,7 @@ POINT_FIELDS = [
     "status",
     "requests",
     "failed",
-    "prompt_tokens_mean",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "tpot_p50_ms",
-    "tpot_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
+    *LATENCY_FIELDS,
     "aggregate_tok_s",
     "acceptance_length",
     "file",
@@ -266,9 +264,18 @@ def _pct(figures: dict | None, key: str):
     return (figures or {}).get(key)
 
 
+def latency_figures(summary: dict, records: list[dict]) -> dict:
+    """LATENCY_FIELDS from a bench summary and the records it was made of."""
+    prompt_tokens = [r["prompt_tokens"] for r in records if r["ok"] and r["prompt_tokens"]]
+    figures = {"prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None}
+    for name in ("ttft", "tpot", "itl"):
+        for q in ("p50", "p99"):
+            figures[f"{name}_{q}_ms"] = _pct(summary[f"{name}_ms"], q)
+    return figures
+
+
 def point_row(config: str, input_len: int, concurrency: int, repeat: int, result: dict, path: str) -> dict:
     s = result["summary"]
-    prompt_tokens = [r["prompt_tokens"] for r in result["records"] if r["ok"] and r["prompt_tokens"]]
     return {
         "config": config,
         "input_len": input_len,
@@ -277,13 +284,7 @@ def point_row(config: str, input_len: int, concurrency: int, repeat: int, result
         "status": result["status"],
         "requests": s["requests"],
         "failed": s["failed"],
-        "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
-        "ttft_p50_ms": _pct(s["ttft_ms"], "p50"),
-        "ttft_p99_ms": _pct(s["ttft_ms"], "p99"),
-        "tpot_p50_ms": _pct(s["tpot_ms"], "p50"),
-        "tpot_p99_ms": _pct(s["tpot_ms"], "p99"),
-        "itl_p50_ms": _pct(s["itl_ms"], "p50"),
-        "itl_p99_ms": _pct(s["itl_ms"], "p99"),
+        **latency_figures(s, result["records"]),
         "aggregate_tok_s": s["aggregate_output_tok_per_s"],
         "acceptance_length": (s["spec_decode"] or {}).get("acceptance_length"),
         "file": path,
@@ -303,7 +304,6 @@ def summary_row(config: str, input_len: int, concurrency: int, results: list[dic
         if spec:
             accepted += spec["accepted_tokens"]
             drafts += spec["drafts"]
-    prompt_tokens = [r["prompt_tokens"] for r in records if r["prompt_tokens"]]
     decode = summary["decode_tok_per_s"] or {}
     return {
         "config": config,
@@ -312,13 +312,7 @@ def summary_row(config: str, input_len: int, concurrency: int, results: list[dic
         "repeats": len(results),
         "requests": summary["requests"],
         "failed": summary["failed"],
-        "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
-        "ttft_p50_ms": _pct(summary["ttft_ms"], "p50"),
-        "ttft_p99_ms": _pct(summary["ttft_ms"], "p99"),
-        "tpot_p50_ms": _pct(summary["tpot_ms"], "p50"),
-        "tpot_p99_ms": _pct(summary["tpot_ms"], "p99"),
-        "itl_p50_ms": _pct(summary["itl_ms"], "p50"),
-        "itl_p99_ms": _pct(summary["itl_ms"], "p99"),
+        **latency_figures(summary, records),
         "e2el_p50_ms": _pct(summary["e2el_ms"], "p50"),
         "decode_tok_s_median": decode.get("median"),
         "decode_unmeasured": len(summary["decode_unmeasured"]),

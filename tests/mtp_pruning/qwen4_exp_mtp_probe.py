@@ -13,7 +13,6 @@ then vLLM's `process_weights_after_loading`.
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import torch
@@ -65,13 +64,12 @@ def probe(config, model_dir: str, out: str) -> None:
 def main(keep: str, *pairs: str) -> int:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.utils.network_utils import get_open_port
 
     configs = [
         (build_config(model_dir, keep), model_dir, out) for model_dir, out in zip(pairs[::2], pairs[1::2], strict=True)
     ]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = get_open_port()
     with set_current_vllm_config(configs[0][0]):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
         initialize_model_parallel(1, 1)

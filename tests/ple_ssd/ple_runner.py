@@ -24,7 +24,6 @@ import json
 import os
 import random
 import re
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -43,12 +42,6 @@ VARIANTS = {
     "tensor_hash": {"host_hash_max_tokens": 0},  # host hashing with tensor ops
     "calling_thread": {"pool_min_rows": 1 << 40},  # every gather in the calling thread
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_vllm_config(checkpoint, ple_mmap, load_strategy=None, load_format="auto", tp_size=1, cudagraph_mode=None):
@@ -81,12 +74,13 @@ def make_vllm_config(checkpoint, ple_mmap, load_strategy=None, load_format="auto
 def init_distributed(rank=0, world_size=1, port=None):
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.utils.network_utils import get_open_port
 
     if get_current_vllm_config_or_none() is None:
         with set_current_vllm_config(VllmConfig()):
             return init_distributed(rank, world_size, port)
 
-    port = port or free_port()
+    port = port or get_open_port()
     # The CPU worker sets this for its shared-memory communicator: one name per group.
     os.environ.setdefault("VLLM_DIST_IDENT", f"ple_ssd-test-{port}")
     init_distributed_environment(

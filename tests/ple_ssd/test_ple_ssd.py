@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PATCHES = REPO / "patches" / "vllm-0.29.0"
 
+from magpie.serving.process import free_port  # noqa: E402
 from tests.ple_ssd import ple_runner  # noqa: E402
 from tests.ple_ssd.checkpoint import EOS, HEADS_PER_NGRAM, NGRAM_HEADS, NGRAM_SIZE, VOCAB  # noqa: E402
 
@@ -508,7 +509,7 @@ def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkp
         ("0001+0002", overlays["0002"], ["--ple-mmap", "--stage"]),
     ]:
         for attempt in range(3):  # a free port can be taken by another process before rank 0 binds it
-            port = ple_runner.free_port()
+            port = free_port()
             args = [*flags, "--tp-size", 2, "--port", port]
             started = [
                 run_ple(overlay, "forward", ple_checkpoint, *args, "--tp-rank", r, background=True) for r in (0, 1)
