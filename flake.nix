@@ -1,5 +1,5 @@
 {
-  description = "vLLM 0.29.0 with magpie-vllm-plugins' patch series (PLE on SSD, MTP draft-head pruning), its apps and tools";
+  description = "vLLM 0.29.0 (and 0.33.0 beside it) with magpie-vllm-plugins' patch series (PLE on SSD, MTP draft-head pruning), its apps and tools";
 
   inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-unstable";
 
@@ -29,7 +29,16 @@
 
       packages = forAllSystems (system: import ./nix/packages.nix { scope = scopeOf system; });
 
-      apps = forAllSystems (system: magpieLib.mkApps (scopeOf system).apps);
+      # The default release's apps, and for each other release the apps that run its vLLM.
+      apps = forAllSystems (
+        system:
+        let
+          scope = scopeOf system;
+        in
+        builtins.foldl' (
+          all: release: all // magpieLib.mkReleaseApps release scope.releases.${release}.apps
+        ) (magpieLib.mkApps scope.apps) magpieLib.otherVllmReleases
+      );
 
       devShells = forAllSystems (system: {
         default = (scopeOf system).devShell;

@@ -21,13 +21,15 @@
   cudaHome,
   cudaCapabilities,
   nvidiaDriverLibs,
+  # "" for the default vLLM release, "_0_33" for the 0.33.0 scope's wrappers (scope.releases).
+  releaseSuffix,
   name,
 }:
 let
   app = magpieLib.appTable.${name};
 in
 writeShellApplication {
-  inherit name;
+  name = name + releaseSuffix;
   # What the scripts call comes from these inputs, first on PATH: bash and coreutils
   # everywhere; sed (usage text), setsid and hostname (serve.sh), procps (ps/kill); nvcc, the
   # host compiler and ninja for FlashInfer's JIT. The host's PATH follows only for apps that
@@ -61,7 +63,7 @@ writeShellApplication {
   };
   meta = {
     inherit (app) description;
-    mainProgram = name;
+    mainProgram = name + releaseSuffix;
     platforms = magpieLib.systems;
   };
 }

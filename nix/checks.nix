@@ -37,10 +37,14 @@ let
       # c03feb07943ecae9e69e7dc424d7c5569ecf8d1292513aef2a4de67af381cd97
       hash = "sha256-wD/rB5Q+yunmnn3EJNfFVp7PjRKSUTrvKk3mevOBzZc=";
     };
+    "0.33.0" = {
+      name = "vllm-sdist";
+      filename = "vllm-0.33.0.tar.gz";
+      path = "f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz";
+      # f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+      hash = "sha256-9MM8JQPVK7QRFGr6lhik9IvtaJEvYX5oA6yNduTHQRI=";
+    };
   };
-  vllmSdist = vllmSdists.${vllm.version} or (throw "checks.nix: no sdist of vLLM ${vllm.version}");
-  vllmSource = fetchurl (magpieLib.pinToFetchurlArgs registryFileBases vllmSdist);
-  seriesFiles = magpieLib.seriesPatches vllm.patchSeries;
   testPython = python.withPackages (ps: [
     ps.pytest
     ps.pytest-timeout
@@ -77,20 +81,47 @@ let
       exit 1
     fi
   '';
+
+  # One release's series against that release's pristine sdist (`vllmPackage` is the scope's
+  # `vllm`, which knows its version and series).
+  seriesCheck =
+    vllmPackage:
+    let
+      inherit (vllmPackage) version;
+      sdist =
+        vllmSdists.${version} or (throw "checks.nix: no sdist of vLLM ${version} in vllmSdists");
+      vllmSource = fetchurl (magpieLib.pinToFetchurlArgs registryFileBases sdist);
+      seriesFiles = magpieLib.seriesPatches vllmPackage.patchSeries;
+    in
+    runCommand "magpie-patch-series-${version}" { nativeBuildInputs = [ python ]; } ''
+      tar -xzf ${vllmSource}
+      cd vllm-${version}
+      python3 ${src}/magpie/patches.py status --target . --patches-dir ${src}/patches
+      ${lib.concatMapStrings (patch: ''
+        patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -i ${patch}
+      '') seriesFiles}
+      python3 ${src}/magpie/patches.py status --require-applied --target . --patches-dir ${src}/patches
+      touch "$out"
+    '';
+
+  # The same two checks for every other release, with its suffix (patch-series_0_33, ...).
+  releaseChecks = builtins.foldl' (
+    all: release:
+    let
+      other = scope.releases.${release};
+    in
+    all
+    // {
+      "patch-series${other.releaseSuffix}" = seriesCheck other.vllm;
+      "vllm-patched${other.releaseSuffix}" = other.vllm;
+    }
+  ) { } magpieLib.otherVllmReleases;
 in
-{
+releaseChecks
+// {
   # Every patch applies in series order to the pristine source with no fuzz, and the
   # project's tool agrees: all "not applied" before, all "applied" after.
-  patch-series = runCommand "magpie-patch-series" { nativeBuildInputs = [ python ]; } ''
-    tar -xzf ${vllmSource}
-    cd vllm-${vllm.version}
-    python3 ${src}/magpie/patches.py status --target . --patches-dir ${src}/patches
-    ${lib.concatMapStrings (patch: ''
-      patch -p1 --fuzz=0 --forward --batch --no-backup-if-mismatch -i ${patch}
-    '') seriesFiles}
-    python3 ${src}/magpie/patches.py status --require-applied --target . --patches-dir ${src}/patches
-    touch "$out"
-  '';
+  patch-series = seriesCheck vllm;
 
   # The patched package builds, its series and import checks pass.
   vllm-patched = vllm;

@@ -14,6 +14,7 @@ let
     match
     readFile
     split
+    splitVersion
     throw
     ;
 
@@ -88,6 +89,34 @@ rec {
     ) (parseSeries (readFile (patchesDir + "/series")));
 
   # ---------------------------------------------------------------------------------------
+  # vLLM releases: the default (the scope's `env`, `vllm`, ...; packages and apps without a
+  # suffix) and the others built beside it, each from its own pins and patch series. Their
+  # attributes carry nixpkgs' version suffix: `vllm-env_0_33`, `serve-flash-next_0_33`.
+
+  defaultVllmRelease = "0.29.0";
+  otherVllmReleases = [ "0.33.0" ];
+
+  # "0.33.0" -> "_0_33" (major and minor, as nixpkgs spells `nodejs_22`, `postgresql_16`); ""
+  # for the default release.
+  releaseSuffix =
+    release:
+    let
+      parts = splitVersion release;
+    in
+    if release == defaultVllmRelease then
+      ""
+    else if length parts < 2 then
+      throw "vLLM release `${release}` is not MAJOR.MINOR.PATCH"
+    else
+      "_${head parts}_${builtins.elemAt parts 1}";
+
+  # Where a release's pins live under nix/pins (the same layout magpie/nix/pin_wheels.py
+  # writes): the default release's at the top, every other one in vllm-<release>/.
+  pinsFile =
+    release: system:
+    if release == defaultVllmRelease then "${system}.json" else "vllm-${release}/${system}.json";
+
+  # ---------------------------------------------------------------------------------------
   # Wheel pins (nix/pins/<system>.json, written by magpie/nix/pin_wheels.py)
 
   readPins =
@@ -99,6 +128,25 @@ rec {
       throw "magpie-vllm-plugins: no wheel pins for ${system}; supported: ${concatStringsSep ", " systems}"
     else
       fromJSON (readFile file);
+
+  # The pins of one release (pinsFile), refused when that release's root is not the release.
+  readReleasePins =
+    pinsDir: release: system:
+    let
+      relative = pinsFile release system;
+      file = pinsDir + "/${relative}";
+      pins = fromJSON (readFile file);
+      inherit (pins.wheels.${pins.root}) version;
+      make = "run `python3 magpie pin-wheels --release ${release}`";
+    in
+    if !(elem system systems) then
+      throw "magpie-vllm-plugins: no wheel pins for ${system}; supported: ${concatStringsSep ", " systems}"
+    else if !(builtins.pathExists file) then
+      throw "magpie-vllm-plugins: no pins for vLLM ${release} (nix/pins/${relative}); ${make}"
+    else if version != release then
+      throw "nix/pins/${relative} pins vLLM ${version}, not ${release}"
+    else
+      pins;
 
   # The registry's file host, from nixpkgs' own mirror list (pkgs/build-support/fetchurl/
   # mirrors.nix): its `pypi` entries end in `/packages/source/` (the legacy sdist scheme);
@@ -377,8 +425,10 @@ rec {
   # The `apps` output from the wrapper derivations (name -> derivation with meta.mainProgram).
   # The names come from appTable, never from the attribute set given: a set that went through
   # callPackage also holds `override` and `overrideDerivation`, which are no apps.
-  mkApps =
-    wrappers:
+  mkApps = wrappers: appsOf appTable wrappers;
+
+  appsOf =
+    table: wrappers:
     builtins.mapAttrs (
       name: app:
       let
@@ -389,7 +439,36 @@ rec {
         program = "${wrapper}/bin/${wrapper.meta.mainProgram}";
         meta.description = app.description;
       }
-    ) appTable;
+    ) table;
+
+  # The apps that run a vLLM environment (the patched one's Python, or a server launched with
+  # it): each other release gets its own copy of these, named with its suffix.
+  releaseApps = builtins.listToAttrs (
+    map (name: {
+      inherit name;
+      value = appTable.${name};
+    }) (filter (name: usesVllmEnv appTable.${name}) (attrNames appTable))
+  );
+  usesVllmEnv =
+    app: app.interpreter == "env-python" || elem "env" (builtins.attrValues app.pythonVars);
+
+  # The apps of another release from its scope's wrappers: `serve-flash-next_0_33`, ...
+  mkReleaseApps =
+    release: wrappers:
+    let
+      label = _: app: app // { meta.description = "${app.meta.description} (vLLM ${release})"; };
+    in
+    suffixNames (releaseSuffix release) (builtins.mapAttrs label (appsOf releaseApps wrappers));
+
+  # The same set with `suffix` appended to every name.
+  suffixNames =
+    suffix: set:
+    builtins.listToAttrs (
+      map (name: {
+        name = name + suffix;
+        value = set.${name};
+      }) (attrNames set)
+    );
 
   # Environment of GPU apps for FlashInfer's JIT (values are shell words, defaults only).
   gpuEnvText =

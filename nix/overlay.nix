@@ -1,6 +1,6 @@
 # nixpkgs overlay: adds `magpie-vllm-plugins`, a package scope holding vLLM 0.29.0 from pinned
 # binary wheels with the patch series applied, the apps and (opt-in) FlashInfer's
-# ahead-of-time kernels. Override its knobs with `overrideScope`, e.g.
+# ahead-of-time kernels; `magpie-vllm-plugins.releases."0.33.0"` is the same scope for 0.33.0. Override its knobs with `overrideScope`, e.g.
 #   pkgs.magpie-vllm-plugins.overrideScope (final: prev: { cudaCapabilities = [ "9.0" ]; })
 final: prev: {
   magpie-vllm-plugins = import ./scope.nix {

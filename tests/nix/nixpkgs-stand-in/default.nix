@@ -19,7 +19,13 @@ let
         outPath = "/nix/store/00000000000000000000000000000000-${name}";
         drvPath = "/nix/store/00000000000000000000000000000000-${name}.drv";
         meta = { };
-        overrideAttrs = f: drv // f drv;
+        # As in nixpkgs, the result is another derivation: a new name gives a new store path.
+        overrideAttrs =
+          f:
+          let
+            attrs = extra // f drv;
+          in
+          derivationNamed (attrs.name or name) attrs;
       }
       // extra;
     in
