@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import difflib
 import glob
 import hashlib
@@ -81,6 +82,10 @@ class Patch:
     files: list[FilePatch]
 
     @property
+    def proof_logs(self) -> list[ProofLog]:
+        return proof_logs(self.fields, self.name)
+
+    @property
     def description(self) -> str:
         return self.fields.get("description", "").splitlines()[0] if self.fields else ""
 
@@ -95,8 +100,15 @@ def _strip_prefix(path: str) -> str:
     return path
 
 
+# Header fields a field may repeat (one line each); their values are joined with "\n".
+REPEATED_FIELDS = ("proof-log",)
+REQUIRED_FIELDS = ("description", "target", "requires", "activation", "last-update", "proof-log")
+_PROOF_LOG_RE = re.compile(r"^(?P<name>[a-z][a-z0-9_]*): (?P<regex>.+)$")
+
+
 def parse_header(text: str) -> dict[str, str]:
-    """DEP-3 style `Field: value` lines (continuation lines start with a space)."""
+    """DEP-3 style `Field: value` lines (continuation lines start with a space). Field names are
+    lower-cased; a field of REPEATED_FIELDS may be given once per line (values joined by "\n")."""
     fields: dict[str, str] = {}
     key = None
     for line in text.splitlines():
@@ -105,10 +117,69 @@ def parse_header(text: str) -> dict[str, str]:
         elif re.match(r"^[A-Za-z][A-Za-z0-9-]*:", line):
             key, _, value = line.partition(":")
             key = key.lower()
-            fields[key] = value.strip()
+            if key in REPEATED_FIELDS and key in fields:
+                fields[key] += "\n" + value.strip()
+            else:
+                fields[key] = value.strip()
         elif line.strip() in ("", "---"):
             key = None if line.strip() == "---" else key
     return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class ProofLog:
+    """A line the patched vLLM logs when the patch is active (`Proof-Log: NAME: REGEX`)."""
+
+    name: str  # what log_check calls the line, e.g. "pruned_built"
+    regex: re.Pattern
+
+
+def proof_logs(fields: dict[str, str], source: str = "patch") -> list[ProofLog]:
+    """The `Proof-Log:` lines of a header, each `NAME: REGEX` (a Python regular expression that
+    log_check searches each log line with; its named groups are the figures it reads), or one
+    `Proof-Log: none`."""
+    values = [v for v in fields.get("proof-log", "").splitlines() if v]
+    if values == ["none"]:
+        return []  # a patch that prints nothing of its own (the tool's test fixtures)
+    found = []
+    for value in values:
+        m = _PROOF_LOG_RE.match(value)
+        if not m:
+            raise ToolError(
+                f"{source}: `Proof-Log: {value}`: expected `Proof-Log: NAME: REGEX` "
+                "(NAME lower-case letters, digits and _, e.g. `Proof-Log: ple_staging: ple_mmap: .* stages`)"
+            )
+        try:
+            regex = re.compile(m.group("regex"))
+        except re.error as e:
+            raise ToolError(
+                f"{source}: `Proof-Log: {m.group('name')}`: the regular expression does not compile: {e}"
+            ) from None
+        found.append(ProofLog(m.group("name"), regex))
+    return found
+
+
+def validate_header(fields: dict[str, str], source: str) -> None:
+    """Refuse a header that lacks a field of the convention (patches/README.md) or has one malformed."""
+    for field in REQUIRED_FIELDS:
+        if not fields.get(field, "").strip():
+            spelled = "-".join(part.capitalize() for part in field.split("-"))
+            raise ToolError(
+                f"{source}: the header has no `{spelled}:` field (see patches/README.md, Header convention)"
+                + (
+                    ": add `Last-Update: YYYY-MM-DD`, the date of the patch's last change"
+                    if field == "last-update"
+                    else ""
+                )
+            )
+    date = fields["last-update"].strip()
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
+        raise ToolError(f"{source}: `Last-Update: {date}` is not a date; write it as YYYY-MM-DD")
+    try:
+        datetime.date.fromisoformat(date)
+    except ValueError as e:
+        raise ToolError(f"{source}: `Last-Update: {date}`: {e}") from None
+    proof_logs(fields, source)
 
 
 def parse_patch(name: str, text: str) -> Patch:
@@ -202,6 +273,43 @@ def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def created_files(patches: list[Patch]) -> dict[tuple[str, str], str]:
+    """{(patch name, path): text} of every file the series creates, as each patch that touches it
+    leaves it (a file 0001 creates and 0002 edits appears twice), in series order. The patches'
+    own hunks build the text: no vLLM tree is needed. A file a later patch deletes is not listed
+    for that patch."""
+    current: dict[str, str | None] = {}
+    found: dict[tuple[str, str], str] = {}
+    for patch in patches:
+        for fp in patch.files:
+            if fp.path not in current and fp.old_exists:
+                continue  # a vLLM file the patch edits, not one the series ships
+            try:
+                text = apply_file(fp, current.get(fp.path), reverse=False)
+            except Conflict as e:
+                raise ToolError(f"{patch.name}: {e}") from None
+            current[fp.path] = text
+            if text is not None:
+                found[(patch.name, fp.path)] = text
+    return found
+
+
+def extract_created(folders: list[str], output: str) -> list[str]:
+    """Write created_files() of each series folder to OUTPUT/<series folder>/<patch>/<path>;
+    return the paths written. OUTPUT must not exist or be empty."""
+    if os.path.exists(output) and os.listdir(output):
+        raise ToolError(f"--output {output} exists and is not empty")
+    written = []
+    for folder in folders:
+        for (name, path), text in created_files(load_series(folder)).items():
+            dest = os.path.join(output, os.path.basename(os.path.normpath(folder)), name.removesuffix(".patch"), path)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with open(dest, "w", encoding="utf-8") as f:
+                f.write(text)
+            written.append(dest)
+    return written
 
 
 SERIES_PREFIX = "vllm-"
@@ -320,21 +428,32 @@ def series_dir(patches_dir: str, version: str | None, wanted: str | None = None)
     raise NoSeries(version or "unknown", found)
 
 
+def parse_series(text: str) -> list[tuple[int, str]]:
+    """(line number, entry) of a series file's patches, in apply order: `#` starts a comment
+    anywhere on a line, surrounding white space is dropped, blank lines are skipped."""
+    entries = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        entry = raw.split("#", 1)[0].strip()
+        if entry:
+            entries.append((lineno, entry))
+    return entries
+
+
 def load_series(patches_dir: str) -> list[Patch]:
     series_file = os.path.join(patches_dir, "series")
     if not os.path.exists(series_file):
         raise ToolError(f"no series file at {series_file}")
     patches = []
     with open(series_file) as f:
-        for lineno, raw in enumerate(f, 1):
-            entry = raw.split("#", 1)[0].strip()
-            if not entry:
-                continue
-            path = os.path.join(patches_dir, entry)
-            if not os.path.isfile(path):
-                raise ToolError(f"{series_file}:{lineno}: {entry} does not exist")
-            with open(path, encoding="utf-8") as pf:
-                patches.append(parse_patch(entry, pf.read()))
+        text = f.read()
+    for lineno, entry in parse_series(text):
+        path = os.path.join(patches_dir, entry)
+        if not os.path.isfile(path):
+            raise ToolError(f"{series_file}:{lineno}: {entry} does not exist")
+        with open(path, encoding="utf-8") as pf:
+            patch = parse_patch(entry, pf.read())
+        validate_header(patch.fields, path)
+        patches.append(patch)
     names = [p.name for p in patches]
     for index, patch in enumerate(patches):
         resolved = []
@@ -998,14 +1117,18 @@ def _write_work(work: str, patch_name: str, path: str, text: str, conflicts: lis
         conflict.reason += note
 
 
-def _retarget_header(header: str, old_release: str, new_release: str) -> str:
-    """`Target: vllm <new>`, and a `Rebased-From:` line naming the release it was carried from."""
+def _retarget_header(header: str, old_release: str, new_release: str, today: str | None = None) -> str:
+    """`Target: vllm <new>`, a `Rebased-From:` line naming the release it was carried from, and
+    `Last-Update:` set to today (UTC): the rebased patch is a new version of the patch."""
+    today = today or datetime.datetime.now(datetime.UTC).date().isoformat()
     lines = [line for line in header.splitlines(keepends=True) if not line.startswith("Rebased-From:")]
     out = []
     for line in lines:
         if line.startswith("Target:"):
             out.append(f"Target: vllm {new_release}\n")
             out.append(f"Rebased-From: vllm {old_release} (magpie/patches.py rebase)\n")
+        elif line.startswith("Last-Update:"):
+            out.append(f"Last-Update: {today}\n")
         else:
             out.append(line)
     if not any(line.startswith("Target:") for line in lines):
@@ -1344,6 +1467,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_revert.add_argument("--dry-run", action="store_true", help="check and report, change nothing")
     sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
+    p_extract = sub.add_parser(
+        "extract",
+        parents=[common],
+        help="write the files the series create, as each patch leaves them, to lint them as Python",
+        description="Write every file the series create (default: every series under --patches-dir; "
+        "--series or a target picks one) to OUTPUT/vllm-<release>/<patch>/<path>, as each patch that "
+        "touches it leaves it. No vLLM tree is needed: the patches' hunks build the files.",
+    )
+    p_extract.add_argument("--output", metavar="DIR", required=True, help="folder to write (must be new or empty)")
     p_rebase = sub.add_parser(
         "rebase",
         parents=[common],
@@ -1374,7 +1506,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "rebase":
             return command_rebase(args)
-        if args.command == "list":
+        if args.command in ("list", "extract"):
             if args.target or args.python:
                 version = find_target(args.target, args.python).version
                 folders = [series_dir(args.patches_dir, version, args.series)]
@@ -1384,11 +1516,15 @@ def main(argv: list[str] | None = None) -> int:
                 folders = list(available_series(args.patches_dir).values())
                 if not folders:
                     series_dir(args.patches_dir, None)  # raises: no series at all
+            if args.command == "extract":
+                for path in extract_created(folders, args.output):
+                    print(path)
+                return 0
             for folder in folders:
                 print(f"series {os.path.relpath(os.path.join(folder, 'series'))}")
                 for patch in load_series(folder):
                     print(f"  {patch.name}")
-                    for key in ("description", "requires", "target", "activation"):
+                    for key in ("description", "requires", "target", "last-update", "activation"):
                         value = ", ".join(patch.requires) if key == "requires" else patch.fields.get(key, "")
                         first = value.splitlines()[0] if value else "none"
                         print(f"      {key}: {first}")

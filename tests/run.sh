@@ -11,15 +11,11 @@ cd "$root"
 "$root/tests/env/setup.sh"
 "$root/tests/env/setup_nix.sh"
 
-# Lint first: it takes seconds and fails fast. The same tools as the flake's checks: ruff and
-# ShellCheck at the versions tests/env/requirements.txt pins (the venv's), and nixfmt's layout
-# rules (nixfmt itself is on no registry reachable here; `nix flake check` runs it).
-"$root/.venv/bin/ruff" check .
-"$root/.venv/bin/ruff" format --check .
-mapfile -t shell_scripts < <(git ls-files '*.sh' .ci/run)
-"$root/.venv/bin/shellcheck" "${shell_scripts[@]}"
-mapfile -t nix_files < <(git ls-files '*.nix')
-"$root/.venv/bin/python" "$root/tests/nix/nix_layout.py" "${nix_files[@]}"
+# Lint first: it takes seconds and fails fast. tests/lint.sh says which files each linter sees
+# (the flake's checks run the same script): ruff and ShellCheck at the versions
+# tests/env/requirements.txt pins (the venv's), ruff over the Python the patches ship (with the
+# ruff settings of the vLLM release each series is for), and nixfmt's layout rules.
+"$root/tests/lint.sh"
 
 # pytest exits 5 when it collected no test: that is a failure here, as any non-zero exit is.
 exec "$root/.venv/bin/python" -m pytest tests -p no:cacheprovider --timeout 1800 "$@"

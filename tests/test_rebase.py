@@ -5,6 +5,7 @@ real 0.29.0 series. The merge and the diff writer are also tested as functions o
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import importlib.util
 import json
@@ -132,12 +133,16 @@ def test_rebase_carries_mtp_pruning_onto_0_30_cleanly(tmp_path):
     text = (out / MTP_PATCH).read_text()
     header = text[: text.index("diff --git ")]
     assert "Target: vllm 0.30.0\nRebased-From: vllm 0.29.0 (magpie/patches.py rebase)\n" in header
+    # Last-Update: the day of the rebase (UTC); the rest of the header is the 0.29.0 patch's.
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    assert f"\nLast-Update: {today}\n" in header
     old_text = (PATCHES / "vllm-0.29.0" / MTP_PATCH).read_text()
+    old_header = old_text[: old_text.index("diff --git ")]
     assert (
-        header.replace("Rebased-From: vllm 0.29.0 (magpie/patches.py rebase)\n", "").replace(
-            "Target: vllm 0.30.0", "Target: vllm 0.29.0"
-        )
-        == old_text[: old_text.index("diff --git ")]
+        header.replace("Rebased-From: vllm 0.29.0 (magpie/patches.py rebase)\n", "")
+        .replace("Target: vllm 0.30.0", "Target: vllm 0.29.0")
+        .replace(f"Last-Update: {today}", re.search(r"Last-Update: .*", old_header).group())
+        == old_header
     )
     # The module the patch creates is carried as it is (its diff section verbatim).
     new_module = "diff --git a/vllm/v1/spec_decode/draft_vocab.py"

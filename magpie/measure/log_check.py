@@ -19,8 +19,11 @@ reads what the server itself printed and reports, with the line that proves it:
     python3 magpie log-check server.log --expect mtp=3 --expect draft_head=pruned --json
 
 `--expect FEATURE=STATE` makes the exit status 1 unless the log shows that state (features:
-mtp, draft_head, ple_mmap, cudagraph_mode, prefix_caching, memguard, watchdog, startup). The patterns are
-the table PATTERNS below (vLLM 0.29.0's and the patches' own log lines).
+mtp, draft_head, ple_mmap, cudagraph_mode, prefix_caching, memguard, watchdog, startup). The
+patterns of vLLM's own lines and of serve.sh's are the table PATTERNS below; the lines that prove
+a patch active are the `Proof-Log:` fields of the patch headers (patches/README.md), read with
+the patch tool's parser from the series of the vLLM release the log names (every series when
+the log names none, or one without a series).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import json
 import os
 import re
 import sys
+
+from magpie import patches as patch_tool
 
 SCHEMA = "flash-next/log-check/1"
 
@@ -45,25 +50,8 @@ PATTERNS = {
     # vllm/entrypoints/... "non-default args: {...}" (the arguments the user gave)
     "non_default_args": re.compile(r"non-default args: (?P<args>\{.*\})"),
     "hf_overrides_ple": re.compile(r"'hf_overrides': \{[^}]*'ple_mmap': (?P<on>True|False)"),
-    # Draft head: vLLM shares the target's lm_head with an MTP draft that has none of its own ...
+    # Draft head: vLLM shares the target's lm_head with an MTP draft that has none of its own.
     "head_shared": re.compile(r"Detected MTP model\. Sharing target model lm_head weights with the draft model"),
-    # ... and the mtp_pruning patch's two lines (vllm/v1/spec_decode/draft_vocab.py).
-    "pruned_built": re.compile(
-        r"MTP draft vocab pruned: (?P<keep>[\d,]+) of (?P<vocab>[\d,]+) ids \((?P<share>[^)]*)\), "
-        r"keep-set (?P<path>\S+)"
-    ),
-    "pruned_in_use": re.compile(r"MTP draft vocab pruned head in use: (?P<detail>.*)"),
-    # The ple_ssd patches (vllm/models/qwen4_exp/): the config hook, then one line per table loaded.
-    # 0001 alone gathers rows inside the forward (a splitting op, PIECEWISE graphs); with 0002 the rows
-    # are staged before the forward. Either way the table line says it is served from the mappings.
-    "ple_hook": re.compile(
-        r"ple_mmap: the PLE n-gram table stays in the checkpoint's memory mappings.*cudagraph_mode (?P<mode>\w+)"
-    ),
-    "ple_active": re.compile(
-        r"ple_mmap: (?P<table>\S+) served from the checkpoint's memory mappings \((?P<desc>.*)\), MADV_RANDOM; "
-        r"(?P<how>rows gathered per step by the custom op|rows staged before each forward)"
-    ),
-    "ple_staging": re.compile(r"ple_mmap: Qwen4ExpModelState\.prepare_inputs stages PLE rows for (?P<n>\d+) layer"),
     # Memory and start-up.
     "weights": re.compile(r"Model loading took (?P<gib>[\d.]+) GiB memory and (?P<s>[\d.]+) seconds"),
     "kv_memory": re.compile(r"Available KV cache memory: (?P<gib>[\d.]+) GiB"),
@@ -85,15 +73,58 @@ PATTERNS = {
 }
 
 
+# The patches' lines this check reads (each declared by a `Proof-Log: NAME: REGEX` header line):
+# mtp_pruning's head built with K rows and still in place after lm_head sharing; ple_ssd's config
+# hook, its line per table served from the mappings (group `how`: gathered in the forward by 0001,
+# staged before it by 0002) and 0002's staging line.
+PROOF_LOGS = ("pruned_built", "pruned_in_use", "ple_hook", "ple_active", "ple_staging")
+
+_VERSION = re.compile(r"Initializing a V1 LLM engine \(v?(?P<version>[^)]*)\)")
+
+
+def proof_patterns(lines: list[str], patches_dir: str | None = None) -> dict[str, list[re.Pattern]]:
+    """{name: [regex, ...]} from the `Proof-Log:` header lines of the series for the vLLM release
+    the log names (all series when it names none, or one with no series). A name several patches
+    declare (ple_active: 0001's and 0002's line) has one regex per distinct pattern."""
+    root = os.path.normpath(patches_dir or patch_tool.PATCHES_DIR)
+    found = patch_tool.available_series(root)
+    if not found:
+        raise patch_tool.ToolError(f"no patch series under {root} (the Proof-Log: lines come from the headers)")
+    version = next((m.group("version") for m in map(_VERSION.search, lines) if m), None)
+    release = patch_tool.release_of(version) if version else None
+    folders = [found[release]] if release in found else list(found.values())
+    patterns: dict[str, list[re.Pattern]] = {}
+    for folder in folders:
+        for patch in patch_tool.load_series(folder):
+            for proof in patch.proof_logs:
+                if proof.name in PATTERNS:
+                    raise patch_tool.ToolError(
+                        f"{os.path.join(folder, patch.name)}: `Proof-Log: {proof.name}` is the name of one of "
+                        "vLLM's own lines in log_check's PATTERNS; name the patch's line otherwise"
+                    )
+                known = patterns.setdefault(proof.name, [])
+                if proof.regex.pattern not in (r.pattern for r in known):
+                    known.append(proof.regex)
+    missing = [name for name in PROOF_LOGS if name not in patterns and release not in found]
+    if missing:
+        raise patch_tool.ToolError(
+            f"log_check reads the patch line(s) {', '.join(missing)}, which no `Proof-Log:` header line "
+            f"under {root} declares"
+        )
+    return patterns
+
+
 def _num(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def check(lines: list[str]) -> dict:
-    found: dict[str, list[tuple[int, re.Match]]] = {name: [] for name in PATTERNS}
+def check(lines: list[str], patches_dir: str | None = None) -> dict:
+    matchers = {name: [regex] for name, regex in PATTERNS.items()}
+    matchers.update(proof_patterns(lines, patches_dir))
+    found: dict[str, list[tuple[int, re.Match]]] = {name: [] for name in (*matchers, *PROOF_LOGS)}
     for number, line in enumerate(lines, 1):
-        for name, regex in PATTERNS.items():
-            match = regex.search(line)
+        for name, regexes in matchers.items():
+            match = next(filter(None, (regex.search(line) for regex in regexes)), None)
             if match:
                 found[name].append((number, match))
 
@@ -281,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--output {args.output} exists; pass --force to replace it")
     with open(args.log, encoding="utf-8", errors="replace") as f:
         lines = f.read().splitlines()
-    result = check(lines)
+    try:
+        result = check(lines)
+    except patch_tool.ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     result["log"] = args.log
     failures = []
     for item in args.expect:

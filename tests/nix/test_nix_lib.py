@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from magpie import patches as patch_tool
 from tests.nix.nixeval import EXPECTED_APPS, REPO, NixError, nix_eval, nix_instantiate
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
@@ -29,11 +30,6 @@ def tracked(pattern: str) -> list[str]:
     if out is None or out.returncode != 0:
         return sorted(str(p.relative_to(REPO)) for p in REPO.rglob(pattern) if ".cache" not in p.parts)
     return [line for line in out.stdout.splitlines() if (REPO / line).exists()]
-
-
-def python_series(text: str) -> list[str]:
-    """magpie/patches.py's reading of patches/series (load_series), for comparison."""
-    return [entry for entry in (raw.split("#", 1)[0].strip() for raw in text.splitlines()) if entry]
 
 
 def test_every_nix_file_parses():
@@ -57,13 +53,17 @@ SERIES_TEXTS = [
 
 @pytest.mark.parametrize("text", SERIES_TEXTS)
 def test_series_parsing_matches_the_patch_tool(text):
-    assert nix_eval("lib.parseSeries text", text=text) == python_series(text)
+    """nix/lib.nix's parseSeries against the patch tool's own parser (magpie.patches.parse_series)."""
+    assert nix_eval("lib.parseSeries text", text=text) == [entry for _, entry in patch_tool.parse_series(text)]
 
 
-def test_series_of_the_repository_matches_the_patch_tool():
-    series_dir = REPO / "patches" / "vllm-0.29.0"
-    entries = nix_eval('map toString (lib.seriesPatches (repo + "/patches/vllm-0.29.0"))')
-    assert entries == [str(series_dir / e) for e in python_series((series_dir / "series").read_text())]
+@pytest.mark.parametrize("release", sorted(patch_tool.available_series(str(REPO / "patches"))))
+def test_series_of_the_repository_matches_the_patch_tool(release):
+    """Every series of the repository: the paths lib.seriesPatches gives are the patches the tool
+    loads (load_series: the same entries, in the same order, each file there)."""
+    series_dir = REPO / "patches" / f"vllm-{release}"
+    entries = nix_eval(f'map toString (lib.seriesPatches (repo + "/patches/vllm-{release}"))')
+    assert entries == [str(series_dir / p.name) for p in patch_tool.load_series(str(series_dir))]
 
 
 def test_series_listing_a_missing_patch_is_refused(tmp_path):

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The lint step, and the one place that says which files each linter sees: tests/run.sh runs
+# it before the suite, the flake's checks (nix/checks.nix) run its parts.
+#
+# usage: tests/lint.sh [PART...]          PART: python, patches, shell, nix (default: all four)
+#
+#   python   ruff check and ruff format --check over every *.py file (pyproject.toml's settings)
+#   patches  the Python files the patch series create (magpie/patches.py extract: each file as
+#            each patch leaves it), linted with the ruff settings of the vLLM release the series
+#            is for: that release's own pyproject.toml, read from $VLLM_SDISTS/vllm-<release>/
+#            (default .cache/sdist, which tests/env/setup.sh fills); the files go into vLLM's
+#            tree, so they follow vLLM's rules (line length 88, its rule set), not the project's
+#   shell    ShellCheck over every *.sh file and .ci/run
+#   nix      nixfmt's layout rules over every *.nix file (tests/nix/nix_layout.py; nixfmt
+#            itself is on no registry reachable here, `nix flake check` runs it)
+#
+# Files: git's tracked files in a checkout; in a plain copy of the source (the flake's build
+# sandbox, which gets exactly the tracked files) every file outside .git, .venv and .cache.
+# Tools: $RUFF, $SHELLCHECK, $PYTHON, else the test venv's (.venv/bin), else the ones on PATH.
+# $LINT_PATCHES_DIR: the series root to lint (default: patches/).
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+tool() {  # tool NAME: the venv's NAME if there is one, else NAME (found on PATH)
+    if [ -x "$root/.venv/bin/$1" ]; then echo "$root/.venv/bin/$1"; else echo "$1"; fi
+}
+ruff=${RUFF:-$(tool ruff)}
+shellcheck=${SHELLCHECK:-$(tool shellcheck)}
+python=${PYTHON:-$(tool python3)}
+sdists=${VLLM_SDISTS:-$root/.cache/sdist}
+patches_dir=${LINT_PATCHES_DIR:-$root/patches}
+scratch=()
+cleanup() { if [ ${#scratch[@]} -gt 0 ]; then rm -rf "${scratch[@]}"; fi; }
+trap cleanup EXIT
+
+# files PATTERN...: the files each linter sees (glob patterns such as '*.sh', or plain paths),
+# relative to the root, sorted.
+files() {
+    if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+        git ls-files -- "$@"
+        return
+    fi
+    local pattern
+    for pattern in "$@"; do
+        case "$pattern" in
+            *'*'*)
+                find . \( -path ./.git -o -path ./.venv -o -path ./.cache \) -prune -o -type f \
+                    -name "$pattern" -print | sed 's|^\./||'
+                ;;
+            *) if [ -f "$pattern" ]; then echo "$pattern"; fi ;;
+        esac
+    done | sort -u
+}
+
+lint_python() {
+    local py
+    mapfile -t py < <(files '*.py')
+    echo "lint: ruff over ${#py[@]} Python files"
+    "$ruff" check --no-cache --force-exclude "${py[@]}"
+    "$ruff" format --no-cache --check --force-exclude "${py[@]}"
+}
+
+lint_patches() {
+    local out series release config patch count
+    out=$(mktemp -d)
+    scratch+=("$out")
+    "$python" "$root/magpie/patches.py" extract --patches-dir "$patches_dir" --output "$out/files" >/dev/null
+    for series in "$out"/files/*/; do
+        release=$(basename "$series")
+        config="$sdists/$release/pyproject.toml"
+        if [ ! -f "$config" ]; then
+            echo "lint: $config is missing: the ruff settings of $release's own tree" \
+                "(tests/env/setup.sh unpacks the sdists to .cache/sdist; or set VLLM_SDISTS)" >&2
+            return 2
+        fi
+        for patch in "$series"*/; do cp "$config" "$patch/pyproject.toml"; done
+    done
+    count=$(find "$out/files" -name '*.py' | wc -l)
+    echo "lint: ruff over the $count Python files the patch series create, with each vLLM release's settings"
+    local failed=0
+    (cd "$out/files" && "$ruff" check --no-cache .) || failed=1
+    (cd "$out/files" && "$ruff" format --no-cache --check .) || failed=1
+    return "$failed"
+}
+
+lint_shell() {
+    local scripts
+    mapfile -t scripts < <(files '*.sh' .ci/run)
+    echo "lint: ShellCheck over ${#scripts[@]} shell scripts"
+    "$shellcheck" "${scripts[@]}"
+}
+
+lint_nix() {
+    local nix_files
+    mapfile -t nix_files < <(files '*.nix')
+    echo "lint: nixfmt's layout rules over ${#nix_files[@]} Nix files"
+    "$python" "$root/tests/nix/nix_layout.py" "${nix_files[@]}"
+}
+
+parts=("$@")
+if [ ${#parts[@]} -eq 0 ]; then parts=(python patches shell nix); fi
+for part in "${parts[@]}"; do
+    case "$part" in
+        python | patches | shell | nix) "lint_$part" ;;
+        *)
+            echo "tests/lint.sh: no part '$part' (python, patches, shell, nix)" >&2
+            exit 2
+            ;;
+    esac
+done
