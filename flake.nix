@@ -30,15 +30,7 @@
       packages = forAllSystems (system: import ./nix/packages.nix { scope = scopeOf system; });
 
       # The default release's apps, and for each other release the apps that run its vLLM.
-      apps = forAllSystems (
-        system:
-        let
-          scope = scopeOf system;
-        in
-        builtins.foldl' (
-          all: release: all // magpieLib.mkReleaseApps release scope.releases.${release}.apps
-        ) (magpieLib.mkApps scope.apps) magpieLib.otherVllmReleases
-      );
+      apps = forAllSystems (system: magpieLib.mkAllApps (scopeOf system));
 
       devShells = forAllSystems (system: {
         default = (scopeOf system).devShell;

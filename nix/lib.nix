@@ -460,6 +460,14 @@ rec {
     in
     suffixNames (releaseSuffix release) (builtins.mapAttrs label (appsOf releaseApps wrappers));
 
+  # The flake's `apps` from the scope: the default release's (mkApps) and, for each other
+  # release, the apps that run its vLLM (mkReleaseApps over scope.releases).
+  mkAllApps =
+    scope:
+    builtins.foldl' (
+      all: release: all // mkReleaseApps release scope.releases.${release}.apps
+    ) (mkApps scope.apps) otherVllmReleases;
+
   # The same set with `suffix` appended to every name.
   suffixNames =
     suffix: set:

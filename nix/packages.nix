@@ -8,15 +8,15 @@ let
   releasePackages =
     release:
     let
-      s = scope.releases.${release};
+      releaseScope = scope.releases.${release};
     in
-    magpieLib.suffixNames s.releaseSuffix (
+    magpieLib.suffixNames releaseScope.releaseSuffix (
       {
-        vllm-env = s.env;
-        vllm = s.vllm;
-        vllm-wheel-closure = s.wheelClosure;
+        vllm-env = releaseScope.env;
+        vllm = releaseScope.vllm;
+        vllm-wheel-closure = releaseScope.wheelClosure;
       }
-      // builtins.intersectAttrs magpieLib.releaseApps s.apps
+      // builtins.intersectAttrs magpieLib.releaseApps releaseScope.apps
     );
 in
 {
