@@ -417,7 +417,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--release",
         nargs="+",
         default=list(RELEASES),
-        choices=list(RELEASES),
         metavar="RELEASE",
         help=f"vLLM releases to pin ({', '.join(RELEASES)}; {DEFAULT_RELEASE} is the flake's default)",
     )
@@ -443,8 +442,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     }
     given = [option for option, value in overrides.items() if value is not None]
     releases = list(dict.fromkeys(args.release))
+    unknown = [release for release in releases if release not in RELEASES]
+    if unknown:
+        parser.error(
+            f"--release {' '.join(unknown)}: no such release in RELEASES ({', '.join(RELEASES)}); to pin another "
+            f"one, add it to RELEASES in {__file__} (what it resolves with and its cut-off date)"
+        )
     if given and len(releases) != 1:
-        parser.error(f"{', '.join(given)} apply to one release: add --release with one of {', '.join(RELEASES)}")
+        parser.error(f"{', '.join(given)}: for one release only; add --release with one of {', '.join(RELEASES)}")
     args.releases = {
         name: {
             "requirement": args.requirement or f"vllm=={name}",

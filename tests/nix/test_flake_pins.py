@@ -256,3 +256,25 @@ def test_cuda_compiler_matches_the_cuda_runtime_headers(release, system):
         for name in ["nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime"]
     }
     assert set(major_minor.values()) == {"13.0"}, major_minor
+
+
+def test_pin_generator_refuses_an_unknown_release_and_overrides_for_several(capsys):
+    """Overrides of the root requirement or the cut-off name one release; an unknown release is
+    refused with where to add it, not resolved with guessed settings."""
+    from magpie.nix import pin_wheels
+
+    args = pin_wheels.parse_args(["--release", "0.33.0", "--uploaded-prior-to", "2026-11-30T00:00:00Z"])
+    assert args.releases == {
+        "0.33.0": {
+            "requirement": "vllm==0.33.0",
+            "extra_requirements": ["cuda-toolkit[nvcc]==13.0.3"],
+            "uploaded_prior_to": "2026-11-30T00:00:00Z",
+        }
+    }
+    assert list(pin_wheels.parse_args([]).releases) == RELEASES
+    with pytest.raises(SystemExit):
+        pin_wheels.parse_args(["--requirement", "vllm==0.33.0"])
+    assert "--requirement: for one release only; add --release" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pin_wheels.parse_args(["--release", "0.31.0"])
+    assert "--release 0.31.0: no such release in RELEASES (0.29.0, 0.33.0)" in capsys.readouterr().err
