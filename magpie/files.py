@@ -6,9 +6,9 @@
   file behind.
 - An existing output is refused unless the user passed `--force` (`check_output`), before any
   work is done, with a message that names the file and the flag.
-- `RUN_FILES`: what `magpie/measure/run_suite.sh` writes into its OUTDIR, spelled once for the
-  Python tools that read or write a run folder (tests/test_cli_files.py holds run_suite.sh's
-  spelling equal to these).
+- The names of a run folder's files (`RUN_FILES`: what `magpie/measure/run_suite.sh` writes into
+  its OUTDIR; `PROFILE_*`; `SWEEP_*`: sweep.py's run folder), spelled once for the Python tools
+  that read or write them (tests/test_cli_files.py holds run_suite.sh's spelling equal to these).
 
 Standard library only.
 """
@@ -30,12 +30,17 @@ __all__ = [
     "LOG_CHECK",
     "METRICS_AFTER",
     "METRICS_BEFORE",
+    "PROFILE_CAPTURE",
     "PROFILE_DIR",
     "PROFILE_SPLIT",
     "RUN_FILES",
     "SUITE",
     "SUITE_LOG",
     "SUMMARY",
+    "SWEEP_PLAN",
+    "SWEEP_POINTS_CSV",
+    "SWEEP_RESULTS",
+    "SWEEP_RESULTS_CSV",
     "OutputExists",
     "atomic_open",
     "atomic_path",
@@ -62,7 +67,15 @@ PROFILE_DIR = "profile"  # profile_capture --out, when a profile was taken: prof
 PROFILE_SPLIT = "split.json"  # trace_split's result in each profile/<window>/
 
 RUN_FILES = (SUITE, BENCH_C1, BENCH_C4, GSM8K, LOG_CHECK, METRICS_BEFORE, METRICS_AFTER, SUITE_LOG, SUMMARY)
-"""The files run_suite.sh writes at the top of its OUTDIR, in the order it writes them."""
+"""The files run_suite.sh writes at the top of its OUTDIR."""
+
+PROFILE_CAPTURE = "capture.json"  # profile_capture's summary of its windows, at the top of --out
+
+# A sweep run folder (sweep.py's RUN_DIR)
+SWEEP_PLAN = "sweep.json"  # the plan the sweep runs (and resumes from)
+SWEEP_RESULTS = "results.json"  # every point's summary (flash-next/sweep/1)
+SWEEP_RESULTS_CSV = "results.csv"  # the same as a table
+SWEEP_POINTS_CSV = "points.csv"  # one row per measured point
 
 
 def bench_file(concurrency: int) -> str:

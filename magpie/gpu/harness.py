@@ -54,7 +54,6 @@ excerpt that says why. Copy the figures to the optimization's results folder wit
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import lzma
@@ -66,6 +65,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from magpie import cli, files
 from magpie.gpu import proof, suites
 
 HERE = Path(__file__).resolve().parent
@@ -238,10 +238,10 @@ def git_state() -> dict:
 
 
 def write_manifest(folder: Path, extra: dict) -> dict:
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(folder.iterdir())}
-    files.pop("manifest.json", None)
-    manifest = {"schema": "gpu-harness/manifest/1", "files": files, **extra}
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    sums = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(folder.iterdir())}
+    sums.pop("manifest.json", None)
+    manifest = {"schema": "gpu-harness/manifest/1", "files": sums, **extra}
+    files.atomic_write_json(folder / "manifest.json", manifest)
     return manifest
 
 
@@ -417,7 +417,7 @@ def cmd_stage(args) -> int:
             digest = sha256(folder / name)
             if digest != info["sha256"]:
                 raise HarnessError(f"{folder / name}: sha256 {digest}, manifest says {info['sha256']}: transfer broken")
-        (GPUH / f"manifest-{part}.json").write_text(json.dumps(manifest, indent=1))
+        files.atomic_write_json(GPUH / f"manifest-{part}.json", manifest)
         if part in KERNELS:
             so = GPUH / "kernels" / manifest["so"]
             so.parent.mkdir(parents=True, exist_ok=True)
@@ -540,7 +540,7 @@ def cmd_run(args) -> int:
         timeout = int(min(cfg.get("timeout_s", 240), left))
         print(f"[run] {cfg['name']} (timeout {timeout} s) ...", flush=True)
         result = run_one(cfg, timeout, GPUH / "logs", env)
-        done.write_text(json.dumps(result))
+        files.atomic_write_json(done, result, indent=None)
         print("[run] " + proof.one_line(result), flush=True)
         if not result.get("ok") and "init_s" not in result and not args.keep_going:
             # vLLM did not start: the next configurations would most likely fail the same way.
@@ -561,9 +561,9 @@ def collect(out: Path) -> None:
     doc = {"schema": "gpu-harness/results/1", "written_utc": _utc(), "machine": proof.machine(), "manifests": manifests}
     doc["results"] = results
     doc["comparisons"] = proof.compare(results)
-    (out / "results.json").write_text(json.dumps(doc, indent=1))
-    (out / "summary.txt").write_text(proof.summary_text(doc))
-    with open(out / "log.txt", "w") as log:
+    files.atomic_write_json(out / "results.json", doc)
+    files.atomic_write_text(out / "summary.txt", proof.summary_text(doc))
+    with files.atomic_open(out / "log.txt") as log:
         for path in sorted((GPUH / "logs").glob("*.log")):
             text = path.read_text(errors="replace")
             log.write(f"===== {path.stem} ({len(text)} chars; last 400,000 kept) =====\n{text[-400_000:]}\n")
@@ -576,9 +576,13 @@ def cmd_models(args) -> int:
 
 
 def cmd_summary(args) -> int:
+    files.check_output(args.write_to, args.force, what="--write-to")
     doc = json.loads(Path(args.results).read_text())
     doc["comparisons"] = proof.compare(doc["results"])
     print(proof.summary_text(doc))
+    if args.write_to:
+        files.atomic_write_json(args.write_to, doc)
+        print(f"wrote {args.write_to}", file=sys.stderr)
     return 0
 
 
@@ -591,9 +595,7 @@ def cmd_list(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="harness.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser("magpie gpu-harness", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("prepare", help="build .gpu-harness/{c,moe,site} here (needs pip to reach the registry)")
     p.add_argument("--wheel", help=f"the pinned {WHEEL_NAME} (default: download it into .gpu-harness/dl)")
@@ -613,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", required=True, choices=sorted(suites.SUITES))
     p = sub.add_parser("summary", help="print the comparisons of a results.json")
     p.add_argument("results")
+    p.add_argument("--write-to", metavar="JSON", help="also write the results with the comparisons recomputed here")
+    cli.add_force(p, "the --write-to file")
     sub.add_parser("list", help="list the suites' configurations")
     args = parser.parse_args(argv)
     try:

@@ -22,7 +22,6 @@ has a timeout; a window that fails is reported and the others still run (exit 1 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ import sys
 import threading
 import time
 
+from magpie import cli, files
 from magpie.measure import trace_split
 from magpie.serving import client as vllm_client
 
@@ -198,19 +198,14 @@ def capture_window(name: str, args, base: str, model: str, out_dir: str) -> dict
     splits = [trace_split.split(os.path.join(folder, f)) for f in traces]
     for trace in splits:
         trace["step_count"] = len(trace.pop("steps"))
-    with open(os.path.join(folder, "split.json"), "w") as f:
-        json.dump({"schema": trace_split.SCHEMA, "tool": "trace_split.py", "traces": splits}, f, indent=1)
+    split = {"schema": trace_split.SCHEMA, "tool": "trace_split.py", "traces": splits}
+    files.atomic_write_json(os.path.join(folder, files.PROFILE_SPLIT), split)
     info["ok"] = "error" not in info
     return info
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="profile_capture.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie profile-capture", __doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8100", help="server base URL (default: %(default)s)")
     parser.add_argument("--model", help="model name to request (default: the first one on /v1/models)")
     parser.add_argument("--trace-dir", required=True, help="the server's torch_profiler_dir")
@@ -253,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(info)
         state = "ok" if info["ok"] else f"FAILED: {info.get('error')}"
         print(f"{name:10s} {state}; files: {', '.join(info.get('files', [])) or 'none'}")
-    with open(os.path.join(args.out, "capture.json"), "w") as f:
-        json.dump({"url": base, "model": model, "windows": results}, f, indent=1)
+    files.atomic_write_json(
+        os.path.join(args.out, files.PROFILE_CAPTURE), {"url": base, "model": model, "windows": results}
+    )
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -18,13 +18,14 @@ Two text modes for scripts:
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import glob
 import html
 import json
 import os
 import sys
+
+from magpie import cli, files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SEED = os.path.normpath(os.path.join(HERE, "..", "..", "docs", "data", "flash-next-seed-gb10.json"))
@@ -44,15 +45,16 @@ def _load(path: str):
 
 
 def load_run(folder: str) -> dict:
-    suite = _load(os.path.join(folder, "suite.json")) or {}
-    bench1 = _load(os.path.join(folder, "bench-c1.json"))
-    bench4 = _load(os.path.join(folder, "bench-c4.json"))
-    gsm8k = _load(os.path.join(folder, "gsm8k.json"))
-    log_check = _load(os.path.join(folder, "log_check.json"))
+    suite = _load(os.path.join(folder, files.SUITE)) or {}
+    bench1 = _load(os.path.join(folder, files.BENCH_C1))
+    bench4 = _load(os.path.join(folder, files.BENCH_C4))
+    gsm8k = _load(os.path.join(folder, files.GSM8K))
+    log_check = _load(os.path.join(folder, files.LOG_CHECK))
     if not any((bench1, bench4, gsm8k, log_check)):
-        raise SystemExit(f"error: {folder} holds no result file (bench-c1.json, bench-c4.json, gsm8k.json ...)")
+        names = ", ".join((files.BENCH_C1, files.BENCH_C4, files.GSM8K, files.LOG_CHECK))
+        raise SystemExit(f"error: {folder} holds no result file ({names})")
     splits = {}
-    for path in sorted(glob.glob(os.path.join(folder, "profile", "*", "split.json"))):
+    for path in sorted(glob.glob(os.path.join(folder, files.PROFILE_DIR, "*", files.PROFILE_SPLIT))):
         traces = [t for t in (_load(path) or {}).get("traces", []) if t.get("summary")]
         if traces:
             splits[os.path.basename(os.path.dirname(path))] = traces[0]
@@ -315,9 +317,11 @@ def line_chart(lines: list[tuple[str, list[tuple[float, float]]]], x_label: str,
 
 
 def load_sweep(folder: str) -> dict:
-    document = _load(os.path.join(folder, "results.json"))
+    document = _load(os.path.join(folder, files.SWEEP_RESULTS))
     if not document or document.get("schema") != "flash-next/sweep/1":
-        raise SystemExit(f"error: {folder}/results.json is missing or not a sweep.py result (flash-next/sweep/1)")
+        raise SystemExit(
+            f"error: {folder}/{files.SWEEP_RESULTS} is missing or not a sweep.py result (flash-next/sweep/1)"
+        )
     document["folder"] = folder
     return document
 
@@ -582,15 +586,10 @@ def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="report.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie report", __doc__)
     parser.add_argument("runs", nargs="*", metavar="RESULT_DIR", help="result folders (run_suite.sh OUTDIRs)")
     parser.add_argument("--output", metavar="HTML", help="write the report here")
-    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    cli.add_force(parser, "the --output file")
     parser.add_argument(
         "--seed", default=DEFAULT_SEED, help="seed figures file (default: %(default)s); 'none' to leave out"
     )
@@ -613,16 +612,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.output:
         parser.error("give --output HTML (or --summary / --compare)")
-    if os.path.exists(args.output) and not args.force:
-        raise SystemExit(f"error: {args.output} exists; pass --force to replace it")
+    files.check_output(args.output, args.force)
     seed = None if args.seed == "none" else _load(args.seed)
     if args.seed != "none" and seed is None:
         raise SystemExit(f"error: seed figures file {args.seed} not found (or pass --seed none)")
     sweeps = [load_sweep(folder) for folder in args.sweep]
     page = render(runs, seed, args.title, sweeps)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(page)
+    files.atomic_write_text(args.output, page)
     print(
         f"wrote {args.output} ({len(page) / 1024:.0f} KiB, {len(runs)} runs, {len(sweeps)} sweeps"
         f"{', seed figures' if seed else ''})"

@@ -45,7 +45,6 @@ summary says so.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import datetime
 import gzip
@@ -55,6 +54,8 @@ import re
 import statistics
 import sys
 from array import array
+
+from magpie import cli, files
 
 SCHEMA = "flash-next/trace-split/1"
 
@@ -623,25 +624,19 @@ def print_report(results: list[dict], out=sys.stdout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="trace_split.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie trace-split", __doc__)
     parser.add_argument("paths", nargs="+", metavar="TRACE", help="trace files (.json, .json.gz) or folders of them")
     parser.add_argument("--output", metavar="JSON", help="write the split here (default: table only)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    cli.add_force(parser, "the --output file")
     parser.add_argument("--keep-steps", action="store_true", help="keep every step in --output (default: summary only)")
     args = parser.parse_args(argv)
-    if args.output and os.path.exists(args.output) and not args.force:
-        raise SystemExit(f"error: {args.output} exists; pass --force to replace it")
-    files = trace_files(args.paths)
-    if not files:
+    files.check_output(args.output, args.force)
+    trace_paths = trace_files(args.paths)
+    if not trace_paths:
         print("error: no .json or .json.gz trace found", file=sys.stderr)
         return 2
     results = []
-    for path in files:
+    for path in trace_paths:
         try:
             trace = split(path)
         except (ValueError, OSError, EOFError) as e:
@@ -659,10 +654,7 @@ def main(argv: list[str] | None = None) -> int:
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "traces": results,
         }
-        directory = os.path.dirname(os.path.abspath(args.output))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(payload, f, indent=1)
+        files.atomic_write_json(args.output, payload)
     return 0
 
 

@@ -67,11 +67,12 @@ tables on stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from magpie import cli, files
 
 SCHEMA = "mtp_pruning/bench-draft-head/2"
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -99,10 +100,6 @@ FOUR_PATHS = (
     ("pruned fp8 (eager quant)", "pruned-fp8-argmax"),
     ("pruned fp8 (fused quant)", "pruned-fp8-fused"),
 )
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
 
 
 def load_module_from_patch(patch: Path, path: str = MODULE_PATH):
@@ -307,7 +304,7 @@ def time_graphs(steps, replays: int, trials: int) -> tuple[float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = cli.parser("magpie bench-draft-head", __doc__)
     parser.add_argument("--vocab-size", type=int, default=248320, help="rows of the full head")
     parser.add_argument("--hidden-size", type=int, default=2560, help="hidden size (Flash-Next)")
     parser.add_argument("--keep", type=int, nargs="+", default=[7696, 10010], help="pruned head sizes K")
@@ -322,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--patch", default=str(PATCH), help="the mtp_pruning patch to load the shipped module from")
     parser.add_argument("--output", help="JSON results file (its folder must exist)")
+    cli.add_force(parser, "the --output file")
     return parser
 
 
@@ -473,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    files.check_output(args.output, args.force)
 
     import torch
 
@@ -488,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        files.atomic_write_json(args.output, result, indent=2)
     print_tables(result)
     return 0
 

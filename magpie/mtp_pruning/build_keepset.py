@@ -24,12 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-from magpie.mtp_pruning.count_tokens import load_counts, read_vocab_size  # noqa: E402
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
-
+from magpie import cli, files
+from magpie.mtp_pruning.count_tokens import load_counts, read_vocab_size
 
 SCHEMA = "mtp_pruning/build-keepset/1"
 # Held-out coverage this far under the fitted coverage gets a warning.
@@ -95,17 +91,18 @@ def load_keepset(path: str):
 
 
 def save_keepset(ids, path: str) -> None:
+    """Write the keep-set atomically: a server reading `draft_vocab_path` never sees half a file."""
     import numpy as np
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if path.endswith(".npy"):
-        np.save(path, ids.astype(np.int64))
-    elif path.endswith(".pt"):
-        import torch
-
-        torch.save(torch.from_numpy(ids.astype(np.int64)), path)
-    else:
+    if not path.endswith((".npy", ".pt")):
         raise ValueError(f"--output {path}: use .npy or .pt")
+    with files.atomic_open(path, "wb") as f:
+        if path.endswith(".npy"):
+            np.save(f, ids.astype(np.int64))
+        else:
+            import torch
+
+            torch.save(torch.from_numpy(ids.astype(np.int64)), f)
 
 
 def coverage_of(keep, counts) -> float:
@@ -154,7 +151,7 @@ def build_keepset(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = cli.parser("magpie build-keepset", __doc__)
     parser.add_argument("counts", nargs="+", help="counts .npy files of count_tokens.py (summed)")
     parser.add_argument("-o", "--output", required=True, help="keep-set to write (.npy or .pt)")
     parser.add_argument("--coverage", type=float, default=0.99, help="share of counted tokens to cover")
@@ -165,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--union", action="append", default=[], help="another keep-set to include (repeatable)")
     parser.add_argument("--holdout", help="counts .npy of held-out text: report the keep-set's coverage there")
     parser.add_argument("--summary", help="write the figures as JSON to this file ('-': stdout)")
+    cli.add_force(parser, "the --output and --summary files")
     return parser
 
 
@@ -173,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.coverage <= 1:
         print(f"error: --coverage must be in (0, 1], not {args.coverage}", file=sys.stderr)
         return 2
+    if not args.output.endswith((".npy", ".pt")):
+        print(f"error: --output {args.output}: use .npy or .pt", file=sys.stderr)
+        return 2
+    files.check_output(args.output, args.force)
+    files.check_output(args.summary, args.force, what="--summary")
     vocab_size = read_vocab_size(Path(args.model)) if args.model else None
     counts = None
     for path in args.counts:
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines), file=sys.stderr)
     else:
         if args.summary:
-            Path(args.summary).write_text(json.dumps(figures, indent=2) + "\n")
+            files.atomic_write_json(args.summary, figures, indent=2)
         print("\n".join(lines))
     if warning:
         print(warning, file=sys.stderr)

@@ -37,10 +37,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
-
+from magpie import cli, files
 
 SCHEMA = "mtp_pruning/count-tokens/1"
 ASSISTANT_ROLES = {"assistant"}
@@ -290,10 +287,15 @@ def save_counts(counts, path: Path) -> None:
     """Write counts.npy atomically (so --add-to may name the output itself)."""
     import numpy as np
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, counts)
-    os.replace(tmp, path)
+    with files.atomic_open(path, "wb") as f:
+        np.save(f, counts)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def load_counts(path: Path, vocab_size: int | None = None):
@@ -308,7 +310,7 @@ def load_counts(path: Path, vocab_size: int | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = cli.parser("magpie count-tokens", __doc__)
     parser.add_argument("inputs", nargs="+", help="files or folders of generated text (see the module docstring)")
     parser.add_argument("--model", help="model folder: config.json gives vocab_size; also the default tokenizer")
     parser.add_argument("--tokenizer", help="tokenizer folder or name (unset: the --model folder)")
@@ -318,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=256, help="texts per tokenizer call")
     parser.add_argument("--summary", help="write the JSON summary to this file ('-': stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    cli.add_force(parser, "the --output and --summary files (--output may always be the --add-to file)")
     return parser
 
 
@@ -330,16 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer_name is None:
         print("error: give --tokenizer or --model", file=sys.stderr)
         return 2
+    if not (args.add_to and _same_file(args.add_to, args.output)):
+        files.check_output(args.output, args.force)
+    files.check_output(args.summary, args.force, what="--summary")
     vocab_size = args.vocab_size if args.vocab_size is not None else read_vocab_size(Path(args.model))
     try:
-        files = input_files(args.inputs)
+        inputs = input_files(args.inputs)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    counts, summary = count(files, load_tokenizer(tokenizer_name), vocab_size, args.batch_size, args.quiet)
+    counts, summary = count(inputs, load_tokenizer(tokenizer_name), vocab_size, args.batch_size, args.quiet)
     if summary["tokens"] == 0:
         print(
-            f"error: no tokens counted in {len(files)} file(s) ({summary['texts']} texts): nothing generated to "
+            f"error: no tokens counted in {len(inputs)} file(s) ({summary['texts']} texts): nothing generated to "
             "count; check the input format (see --help)",
             file=sys.stderr,
         )
@@ -365,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
     else:
         if args.summary:
-            Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+            files.atomic_write_json(args.summary, summary, indent=2)
         print(line)
     return 0
 

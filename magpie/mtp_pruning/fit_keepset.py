@@ -19,12 +19,12 @@ fitted on all texts.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from magpie.mtp_pruning.build_keepset import DRIFT_WARNING, build_keepset, coverage_of, save_keepset, special_ids  # noqa: E402
-from magpie.mtp_pruning.count_tokens import (  # noqa: E402
+from magpie import cli, files
+from magpie.mtp_pruning.build_keepset import DRIFT_WARNING, build_keepset, coverage_of, save_keepset, special_ids
+from magpie.mtp_pruning.count_tokens import (
     Progress,
     count_items,
     input_files,
@@ -34,16 +34,16 @@ from magpie.mtp_pruning.count_tokens import (  # noqa: E402
     save_counts,
 )
 
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
-
-
 SCHEMA = "mtp_pruning/fit-keepset/1"
 
 
+def output_paths(output: Path) -> tuple[Path, Path, Path]:
+    """What fit_keepset writes: the keep-set, its counts (for count_tokens --add-to), its summary."""
+    return output, output.with_name(output.stem + ".counts.npy"), Path(str(output) + ".json")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = cli.parser("magpie fit-keepset", __doc__)
     parser.add_argument("results", nargs="+", help="folders (or files) of generations")
     parser.add_argument("--model", required=True, help="model folder: config.json (vocab_size) and tokenizer")
     parser.add_argument("--tokenizer", help="tokenizer folder or name (unset: the --model folder)")
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--coverage", type=float, default=0.99, help="share of generated tokens to cover")
     parser.add_argument("--holdout-every", type=int, default=10, help="self-check: set aside every N-th text (0: off)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    cli.add_force(parser, "the keep-set, its .counts.npy and its .json")
     return parser
 
 
@@ -61,19 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.coverage <= 1:
         print(f"error: --coverage must be in (0, 1], not {args.coverage}", file=sys.stderr)
         return 2
+    if not args.output.endswith((".npy", ".pt")):
+        print(f"error: --output {args.output}: use .npy or .pt", file=sys.stderr)
+        return 2
+    for path in output_paths(Path(args.output)):
+        files.check_output(path, args.force)
     try:
-        files = input_files(args.results)
+        inputs = input_files(args.results)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not files:
+    if not inputs:
         print(f"error: no .json, .jsonl or .txt files under {', '.join(args.results)}", file=sys.stderr)
         return 1
     vocab_size = read_vocab_size(Path(args.model))
     tokenizer_name = args.tokenizer or args.model
     tokenizer = load_tokenizer(tokenizer_name)
 
-    items = [item for path in files for item in items_from_file(path) if item.token_ids or item.text]
+    items = [item for path in inputs for item in items_from_file(path) if item.token_ids or item.text]
     every = args.holdout_every if args.holdout_every and len(items) >= 2 * args.holdout_every else 0
     held_out = [item for i, item in enumerate(items) if every and i % every == every - 1]
     fitted = [item for i, item in enumerate(items) if not (every and i % every == every - 1)]
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
     counts = fit_counts + held_counts
     if counts.sum() == 0:
-        print(f"error: no generated tokens found in {len(files)} file(s)", file=sys.stderr)
+        print(f"error: no generated tokens found in {len(inputs)} file(s)", file=sys.stderr)
         return 1
 
     specials = special_ids(tokenizer_name)
@@ -110,22 +116,22 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     output = Path(args.output)
-    counts_path = output.with_name(output.stem + ".counts.npy")
+    _, counts_path, summary_path = output_paths(output)
     save_keepset(keep, str(output))
     save_counts(counts, counts_path)
     summary = {
         "schema": SCHEMA,
         "output": str(output),
         "counts": str(counts_path),
-        "inputs": [str(p) for p in files],
+        "inputs": [str(p) for p in inputs],
         "texts": fit_texts + held_texts,
         "tokens": int(counts.sum()),
         "keepset": figures,
         "self_check": check,
     }
-    Path(str(output) + ".json").write_text(json.dumps(summary, indent=2) + "\n")
+    files.atomic_write_json(summary_path, summary, indent=2)
 
-    print(f"counted {summary['texts']} texts, {summary['tokens']} generated tokens from {len(files)} file(s)")
+    print(f"counted {summary['texts']} texts, {summary['tokens']} generated tokens from {len(inputs)} file(s)")
     print(
         f"keep-set {output}: K = {figures['keep_ids']} of {vocab_size} ids ({100 * figures['vocab_share']:.2f}%), "
         f"coverage {100 * figures['coverage']:.2f}% (target {100 * args.coverage:.2f}%)"

@@ -66,6 +66,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from magpie import cli, files
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PATCH = REPO / "patches" / "vllm-0.29.0" / "ple_ssd" / "0001-ple-mmap-table.patch"
 BEFORE_PATCH = Path(__file__).resolve().parent / "baseline" / "0001-ple-mmap-table.before-issue-14.patch"
@@ -590,7 +592,7 @@ def stale_replay_child(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("magpie bench-staging", __doc__)
     parser.add_argument("--dir", type=Path, required=True, help="where the table files go (a disk, not tmpfs)")
     parser.add_argument("--table-gib", type=float, default=8.0, help="table size in GiB")
     parser.add_argument("--shards", type=int, default=128, help="checkpoint shards (the real model has 128)")
@@ -612,6 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--before-patch", type=Path, default=BEFORE_PATCH, help="0001 before issue 14")
     parser.add_argument("--stale-replay-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("ple_ssd_bench.json"), help="JSON results")
+    cli.add_force(parser, "the --out file")
     return parser
 
 
@@ -620,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     args.sweep_rows = [int(r) for r in args.sweep_rows.split(",")]
     if args.stale_replay_child:
         return stale_replay_child(args)
+    files.check_output(args.out, args.force, what="--out")
     ple_mmap = load_module_from_patch(args.patch)
     device = torch.device(args.device)
     token_sizes = [int(t) for t in args.tokens.split(",")]
@@ -631,8 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         first += ["environment", "errors", "skipped"]
         ordered = {key: results[key] for key in first if key in results}
         ordered["records"] = results["records"]
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(ordered, indent=1))
+        files.atomic_write_json(args.out, ordered)  # saved after each part: a reader sees a whole file
 
     began = time.perf_counter()
     paths = write_table(args.dir, args.table_gib, args.shards, args.files, args.device)

@@ -35,7 +35,6 @@ a path that only the head has is never handed to a worker.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -46,7 +45,7 @@ import subprocess
 import sys
 import time
 
-from magpie import tool_command
+from magpie import cli, tool_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PORT = 6379
@@ -210,9 +209,17 @@ def push_keep_set(ray, path: str, force: bool = False) -> list[dict]:
                 return dict(report, status="refused", sha256=present)
         _os.makedirs(_os.path.dirname(target), exist_ok=True)
         tmp = f"{target}.tmp-{_os.getpid()}"
-        with open(tmp, "wb") as out:
-            out.write(payload)
-        _os.replace(tmp, target)
+        # magpie.files.atomic_write_bytes, inlined: the nodes may have no magpie package.
+        try:
+            with open(tmp, "wb") as out:
+                out.write(payload)
+                out.flush()
+                _os.fsync(out.fileno())
+            _os.replace(tmp, target)
+        except BaseException:
+            if _os.path.exists(tmp):
+                _os.unlink(tmp)
+            raise
         with open(target, "rb") as written:
             check = _hashlib.sha256(written.read()).hexdigest()
         return dict(report, status="written" if check == sha256 else "corrupt", sha256=check)
@@ -299,18 +306,15 @@ def print_reports(reports: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="cluster.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie cluster", __doc__)
     roles = parser.add_subparsers(dest="role", required=True)
 
     def network(p, head_required: bool):
         p.add_argument("--ip", required=True, help="this host's address on the link between the hosts")
         p.add_argument("--iface", required=True, help="the network interface of that link (e.g. enp1s0f1np1)")
-        p.add_argument("--ib-hca", default="auto", help="NCCL_IB_HCA: RDMA devices, or auto / '' (default: auto)")
+        p.add_argument(
+            "--ib-hca", default="auto", help="NCCL_IB_HCA: RDMA devices, or auto / '' (default: %(default)s)"
+        )
         if head_required:
             p.add_argument("--head", required=True, metavar="IP[:PORT]", help=f"the head node (port {DEFAULT_PORT})")
 

@@ -35,6 +35,8 @@ import struct
 import sys
 import time
 
+from magpie import cli
+
 DEFAULT_PATTERN = r"ngram_embedding\.shard_\d+\.weight$"
 PAGE = mmap.PAGESIZE
 
@@ -211,12 +213,7 @@ def evict(ranges) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="ple_warmup.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie ple-warmup", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     helps = {
         "status": "how much of the table is in the page cache",
@@ -224,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "evict": "drop the table's pages from the page cache (posix_fadvise DONTNEED; mapped pages stay)",
     }
     for name, text in helps.items():
-        p = sub.add_parser(name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=text)
         p.add_argument("model", help="the checkpoint folder (its *.safetensors files)")
         p.add_argument("--pattern", default=DEFAULT_PATTERN, help="regular expression for the table's tensor names")
         p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")

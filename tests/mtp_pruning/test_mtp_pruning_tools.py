@@ -237,6 +237,85 @@ def test_fit_keepset_from_a_results_folder(tmp_path, tiny_mtp_model, tokenizer):
     assert np.load(tmp_path / "keep.counts.npy").sum() == 40
 
 
+# --------------------------------------------------------------------------- the overwrite rule
+def keepset_tool_runs(tmp_path, tiny_mtp_model, counts_file):
+    """tool -> (argv, the files it writes): each tool's real invocation on real inputs."""
+    write_jsonl(tmp_path / "in.jsonl", [{"text": "The cat sees the red house."}])
+    results = tmp_path / "results"
+    results.mkdir()
+    records = [{"ok": True, "token_ids": [100 + i, 200 + i]} for i in range(20)]
+    (results / "bench.json").write_text(json.dumps({"schema": "flash-next/bench-decode/1", "records": records}))
+    count_out, build_out, fit_out = tmp_path / "c.npy", tmp_path / "keep.npy", tmp_path / "fit.npy"
+    return {
+        "count_tokens": (
+            [
+                tmp_path / "in.jsonl",
+                "--model",
+                tiny_mtp_model,
+                "-o",
+                count_out,
+                "--summary",
+                tmp_path / "c.json",
+                "--quiet",
+            ],
+            [count_out, tmp_path / "c.json"],
+        ),
+        "build_keepset": (
+            [counts_file, "-o", build_out, "--no-special-ids", "--summary", tmp_path / "keep.json"],
+            [build_out, tmp_path / "keep.json"],
+        ),
+        "fit_keepset": (
+            [results, "--model", tiny_mtp_model, "-o", fit_out, "--quiet"],
+            [fit_out, tmp_path / "fit.counts.npy", tmp_path / "fit.npy.json"],
+        ),
+    }
+
+
+@pytest.mark.parametrize("tool", ["count_tokens", "build_keepset", "fit_keepset"])
+def test_keepset_tools_refuse_to_overwrite_each_output_without_force(tmp_path, tiny_mtp_model, counts_file, tool):
+    argv, outputs = keepset_tool_runs(tmp_path, tiny_mtp_model, counts_file)[tool]
+    for existing in outputs:  # each output alone is enough to refuse the whole run
+        existing.write_text("an earlier result")
+        with pytest.raises(SystemExit) as refused:
+            run_script(tool, *argv)
+        assert str(refused.value).startswith(f"error: {existing} exists; pass --force to replace it")
+        assert existing.read_text() == "an earlier result"
+        assert [p for p in outputs if p.exists()] == [existing]  # nothing else was written
+        existing.unlink()
+
+
+@pytest.mark.parametrize("tool", ["count_tokens", "build_keepset", "fit_keepset"])
+def test_keepset_tools_replace_their_outputs_with_force(tmp_path, tiny_mtp_model, counts_file, tool):
+    argv, outputs = keepset_tool_runs(tmp_path, tiny_mtp_model, counts_file)[tool]
+    for existing in outputs:
+        existing.write_text("an earlier result")
+    status, _, err = run_script(tool, *argv, "--force")
+    assert status == 0, err
+    for path in outputs:
+        if path.suffix == ".npy":
+            assert np.load(path).ndim == 1
+        else:
+            assert json.loads(path.read_text())["schema"].startswith("mtp_pruning/")
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]  # the atomic writes left nothing behind
+
+
+def test_count_tokens_add_to_may_name_its_output_without_force(tmp_path, tiny_mtp_model):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "The cat sees"}])
+    args = ["--model", tiny_mtp_model, "--quiet"]
+    assert run_script("count_tokens", tmp_path / "a.jsonl", "-o", tmp_path / "c.npy", *args)[0] == 0
+    with pytest.raises(SystemExit, match="c.npy exists; pass --force"):  # a new count over old counts: refused
+        run_script("count_tokens", tmp_path / "a.jsonl", "-o", tmp_path / "c.npy", *args)
+    other = tmp_path / "other.npy"
+    np.save(other, np.zeros(VOCAB, dtype=np.int64))
+    with pytest.raises(SystemExit, match="c.npy exists; pass --force"):  # --add-to another file: still refused
+        run_script("count_tokens", tmp_path / "a.jsonl", "--add-to", other, "-o", tmp_path / "c.npy", *args)
+    before = np.load(tmp_path / "c.npy").sum()
+    status, _, err = run_script("count_tokens", tmp_path / "a.jsonl", "--add-to", tmp_path / "c.npy", "-o",
+                                tmp_path / "c.npy", *args)  # fmt: skip
+    assert status == 0, err
+    assert np.load(tmp_path / "c.npy").sum() == 2 * before
+
+
 def test_gpu_bench_times_the_module_the_patch_ships(pruning_overlay):
     """bench_draft_head.py loads the patch's module from the patch file: the same code the overlay has."""
     import importlib
