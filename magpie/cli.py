@@ -19,10 +19,24 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 from collections.abc import Callable
 
-__all__ = ["HelpFormatter", "Parser", "add_force", "parser", "run_until_stopped", "split_doc"]
+__all__ = [
+    "DEFAULT_URL",
+    "HelpFormatter",
+    "Parser",
+    "add_force",
+    "add_server",
+    "parse_size",
+    "parser",
+    "run_until_stopped",
+    "split_doc",
+]
+
+DEFAULT_URL = "http://127.0.0.1:8100"
+"""Where serve.sh serves by default (its PORT), the URL of every client tool."""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -68,6 +82,26 @@ def add_force(p: argparse.ArgumentParser, what: str = "the output file", *aliase
     """The one overwrite flag: `--force` (plus any older `aliases`, e.g. "--overwrite"), stored
     as `args.force`; pass it to magpie.files.check_output."""
     return p.add_argument("--force", *aliases, dest="force", action="store_true", help=f"replace {what} if it exists")
+
+
+def add_server(p: argparse.ArgumentParser) -> None:
+    """The options of a tool that talks to a running vLLM server: --url and --model."""
+    p.add_argument("--url", default=DEFAULT_URL, help="server base URL")
+    p.add_argument("--model", help="model name to request (default: the first one on /v1/models)")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2}
+_SIZE_UNITS.update({"g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4})
+
+
+def parse_size(text: str) -> int:
+    """A size option's value in bytes, as an argparse `type`: '6GiB' -> 6442450944 (IEC: KiB,
+    MiB, GiB, TiB are powers of 1024), '110G' or '110GB' -> 110000000000 (SI: K, M, G, T, with
+    or without B, are powers of 1000), '1048576' or '1048576B' (bytes); case does not matter."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 6GiB, 512MiB, 110G, 1048576)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
 def run_until_stopped(loop: Callable[[], int]) -> int:

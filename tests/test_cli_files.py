@@ -268,3 +268,35 @@ def test_help_from_the_entry_point_is_complete(tmp_path, tool, usage, epilog_wor
     assert proc.stdout.startswith(f"usage: {usage} "), proc.stdout[:200]
     assert epilog_words in proc.stdout  # the docstring past its first paragraph is there
     assert "(default: None)" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("6GiB", 6 * 1024**3),
+        ("512mib", 512 * 1024**2),
+        ("110G", 110 * 10**9),
+        ("2 GB", 2 * 10**9),
+        ("1048576", 1 << 20),
+    ],
+)
+def test_parse_size_reads_iec_and_si_units(text, size):
+    assert cli.parse_size(text) == size
+
+
+def test_a_size_option_refuses_a_non_size_naming_the_option(capsys):
+    parser = cli.parser("magpie thing", DOC)
+    parser.add_argument("--budget", type=cli.parse_size, default="16GiB", help="bytes")
+    assert parser.parse_args([]).budget == 16 * 1024**3  # a string default goes through the type too
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args(["--budget", "16 gallons"])
+    assert refused.value.code == 2
+    assert "argument --budget: not a size: '16 gallons' (examples: 6GiB" in capsys.readouterr().err
+
+
+def test_add_server_gives_the_client_options():
+    parser = cli.parser("magpie thing", DOC)
+    cli.add_server(parser)
+    args = parser.parse_args([])
+    assert (args.url, args.model) == (cli.DEFAULT_URL, None)
+    assert f"server base URL (default: {cli.DEFAULT_URL})" in parser.format_help()

@@ -206,8 +206,7 @@ def capture_window(name: str, args, base: str, model: str, out_dir: str) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("magpie profile-capture", __doc__)
-    parser.add_argument("--url", default="http://127.0.0.1:8100", help="server base URL (default: %(default)s)")
-    parser.add_argument("--model", help="model name to request (default: the first one on /v1/models)")
+    cli.add_server(parser)
     parser.add_argument("--trace-dir", required=True, help="the server's torch_profiler_dir")
     parser.add_argument("--out", required=True, help="folder for the windows (created; must not exist)")
     parser.add_argument("--windows", default=",".join(WINDOWS), help="comma-separated subset (default: %(default)s)")

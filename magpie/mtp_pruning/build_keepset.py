@@ -166,16 +166,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_arguments(args, outputs: list[tuple[str, str | Path | None]]) -> int | None:
+    """Before any work: 2 (the error printed) for a bad --coverage or a keep-set --output that is
+    not .npy or .pt; an existing file of `outputs` ((option, path) pairs) refused without --force
+    (files.check_output); None when the run may begin."""
+    problem = None
+    if not 0 < args.coverage <= 1:
+        problem = f"--coverage must be in (0, 1], not {args.coverage}"
+    elif not args.output.endswith((".npy", ".pt")):
+        problem = f"--output {args.output}: use .npy or .pt"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    for option, path in outputs:
+        files.check_output(path, args.force, what=option)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not 0 < args.coverage <= 1:
-        print(f"error: --coverage must be in (0, 1], not {args.coverage}", file=sys.stderr)
-        return 2
-    if not args.output.endswith((".npy", ".pt")):
-        print(f"error: --output {args.output}: use .npy or .pt", file=sys.stderr)
-        return 2
-    files.check_output(args.output, args.force)
-    files.check_output(args.summary, args.force, what="--summary")
+    if (status := check_arguments(args, [("--output", args.output), ("--summary", args.summary)])) is not None:
+        return status
     vocab_size = read_vocab_size(Path(args.model)) if args.model else None
     counts = None
     for path in args.counts:

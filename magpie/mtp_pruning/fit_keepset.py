@@ -23,7 +23,14 @@ import sys
 from pathlib import Path
 
 from magpie import cli, files
-from magpie.mtp_pruning.build_keepset import DRIFT_WARNING, build_keepset, coverage_of, save_keepset, special_ids
+from magpie.mtp_pruning.build_keepset import (
+    DRIFT_WARNING,
+    build_keepset,
+    check_arguments,
+    coverage_of,
+    save_keepset,
+    special_ids,
+)
 from magpie.mtp_pruning.count_tokens import (
     Progress,
     count_items,
@@ -59,14 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     args = build_parser().parse_args(argv)
-    if not 0 < args.coverage <= 1:
-        print(f"error: --coverage must be in (0, 1], not {args.coverage}", file=sys.stderr)
-        return 2
-    if not args.output.endswith((".npy", ".pt")):
-        print(f"error: --output {args.output}: use .npy or .pt", file=sys.stderr)
-        return 2
-    for path in output_paths(Path(args.output)):
-        files.check_output(path, args.force)
+    if (status := check_arguments(args, [("--output", path) for path in output_paths(Path(args.output))])) is not None:
+        return status
     try:
         inputs = input_files(args.results)
     except FileNotFoundError as e:

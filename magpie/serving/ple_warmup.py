@@ -23,7 +23,6 @@ stopped by --min-available.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import glob
@@ -46,15 +45,6 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 _MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def parse_size(text: str) -> int:
-    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
-    units.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12})
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).lower() not in units:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 16GiB, 512MiB, 1048576)")
-    return int(float(match.group(1)) * units[match.group(2).lower()])
 
 
 def gib(size: float) -> str:
@@ -226,11 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--pattern", default=DEFAULT_PATTERN, help="regular expression for the table's tensor names")
         p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
         if name == "warm":
-            p.add_argument("--budget", type=parse_size, required=True, help="at most this many bytes of the table")
+            p.add_argument("--budget", type=cli.parse_size, required=True, help="at most this many bytes of the table")
             p.add_argument(
-                "--min-available", type=parse_size, default="8GiB", help="stop when MemAvailable falls under this"
+                "--min-available", type=cli.parse_size, default="8GiB", help="stop when MemAvailable falls under this"
             )
-            p.add_argument("--chunk", type=parse_size, default="16MiB", help="bytes per read")
+            p.add_argument("--chunk", type=cli.parse_size, default="16MiB", help="bytes per read")
             p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = parser.parse_args(argv)
     ranges = table_ranges(args.model, args.pattern)
