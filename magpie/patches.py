@@ -1120,7 +1120,8 @@ def _write_work(work: str, patch_name: str, path: str, text: str, conflicts: lis
 def _retarget_header(header: str, old_release: str, new_release: str, today: str | None = None) -> str:
     """`Target: vllm <new>`, a `Rebased-From:` line naming the release it was carried from, and
     `Last-Update:` set to today (UTC): the rebased patch is a new version of the patch."""
-    today = today or datetime.datetime.now(datetime.UTC).date().isoformat()
+    utc = datetime.timezone.utc  # noqa: UP017 (datetime.UTC is Python 3.11; the tool runs on 3.10)
+    today = today or datetime.datetime.now(utc).date().isoformat()
     lines = [line for line in header.splitlines(keepends=True) if not line.startswith("Rebased-From:")]
     out = []
     for line in lines:

@@ -89,7 +89,10 @@ def proof_patterns(lines: list[str], patches_dir: str | None = None) -> dict[str
     root = os.path.normpath(patches_dir or patch_tool.PATCHES_DIR)
     found = patch_tool.available_series(root)
     if not found:
-        raise patch_tool.ToolError(f"no patch series under {root} (the Proof-Log: lines come from the headers)")
+        raise patch_tool.ToolError(
+            f"no patch series under {root}: the lines that prove a patch active are the `Proof-Log:` "
+            "lines of the patch headers; run log-check from a checkout (`python3 magpie log-check LOG`)"
+        )
     version = next((m.group("version") for m in map(_VERSION.search, lines) if m), None)
     release = patch_tool.release_of(version) if version else None
     folders = [found[release]] if release in found else list(found.values())

@@ -3,16 +3,19 @@
 A Qwen4Exp model cannot be served on this CPU build, so the PLE layer is built and loaded the
 way vLLM does it, in a subprocess (tests/ple_ssd/ple_runner.py) with the patched vLLM, and its
 output is the log: 0001 alone and 0001 + 0002 print different lines, and the check must
-recognise both (the stock vLLM prints neither).
+recognise both (the stock vLLM prints neither). The lines log_check looks for are the patches'
+`Proof-Log:` header lines: each one is checked here against what the patched layer prints.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
 
+from magpie import patches as patch_tool
 from magpie.demo.overlay import make_overlay, vllm_env
 from tests.serving.helpers import PYTHON, TESTS, run_tool
 
@@ -28,18 +31,18 @@ def ple_checkpoint(tmp_path_factory):
     return build_ple_checkpoint(tmp_path_factory.mktemp("ple-checkpoint"), ngram_vocab_size_base=2_000)
 
 
-def run_layer(tmp_path, checkpoint, overlay, *flags: str) -> str:
+def run_layer(tmp_path, checkpoint, overlay, *flags: str, mode: str = "forward") -> str:
     """Build, load and run the PLE layer (the ple_ssd tests' runner); its output is the log."""
-    log = tmp_path / "ple.log"
+    log = tmp_path / f"ple-{mode}.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            [PYTHON, str(RUNNER), "forward", str(checkpoint), str(tmp_path / "forward.pt"), *flags],
+            [PYTHON, str(RUNNER), mode, str(checkpoint), str(tmp_path / f"{mode}.out"), *flags],
             env=vllm_env(overlay),
             stdout=out,
             stderr=subprocess.STDOUT,
             timeout=600,
         )
-    assert proc.returncode == 0, f"{RUNNER.name} forward failed (its interface changed?):\n{log.read_text()[-3000:]}"
+    assert proc.returncode == 0, f"{RUNNER.name} {mode} failed (its interface changed?):\n{log.read_text()[-3000:]}"
     return str(log)
 
 
@@ -67,3 +70,32 @@ def test_log_check_recognises_ple_mmap_with_rows_staged_before_the_forward(tmp_p
 
 def test_log_check_does_not_see_ple_mmap_in_a_stock_log(tmp_path, ple_checkpoint):
     assert check(run_layer(tmp_path, ple_checkpoint, None))["state"] == "off"
+
+
+@pytest.mark.parametrize(
+    "patch, selectors, modes",
+    [
+        ("ple_ssd/0001-ple-mmap-table.patch", ["ple_ssd/0001"], {"config": [], "forward": []}),
+        (
+            "ple_ssd/0002-stage-rows-before-forward.patch",
+            ["ple_ssd"],
+            {"config": [], "forward": ["--stage"], "model_state": None},
+        ),
+    ],
+)
+def test_every_proof_log_line_of_a_ple_ssd_patch_is_printed_by_it(tmp_path, ple_checkpoint, patch, selectors, modes):
+    """The config hook (config), the table load (forward) and, for 0002, the model state: every
+    `Proof-Log:` line of the patch matches a line the patched vLLM printed; the other patch's
+    table line does not (the two are told apart)."""
+    series = {p.name: p for p in patch_tool.load_series(str(patch_tool.PATCHES_DIR) + "/vllm-0.29.0")}
+    overlay = make_overlay(tmp_path / "overlay", selectors)
+    lines = []
+    for mode, extra in modes.items():  # None: the mode sets ple_mmap itself
+        flags = [] if extra is None else ["--ple-mmap", *extra]
+        with open(run_layer(tmp_path, ple_checkpoint, overlay, *flags, mode=mode)) as log:
+            lines += log.read().splitlines()
+    for proof in series[patch].proof_logs:
+        assert any(proof.regex.search(line) for line in lines), f"{patch}: no line matches Proof-Log {proof.name}"
+    other = next(name for name in series if name.startswith("ple_ssd/") and name != patch)
+    table = next(p for p in series[other].proof_logs if p.name == "ple_active")
+    assert not any(table.regex.search(line) for line in lines), re.escape(table.regex.pattern)
