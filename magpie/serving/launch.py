@@ -8,9 +8,16 @@ options exactly as vLLM 0.29.0's own `--config` loader does, and puts your extra
 the command line wins over the file as in vLLM. It then checks everything that would otherwise
 fail only after the ~10-minute weight load (patches, keep-set, JIT tools), chooses the
 environment (the GB10's allocator and JIT-job settings), creates a neutral working directory (a
-`vllm/` folder where you stand must not shadow the installed vLLM), writes the top of the log and
-the launch plan `LOG.launch.json`, and prints the working directory. `exec PLAN` then becomes the
-server: same PID, the plan's environment, its working directory.
+`vllm/` folder where you stand must not shadow the installed vLLM), writes the launch plan and run
+manifest `LOG.launch.json` (magpie/serving/manifest.py) and the top of the log (a rendering of the
+manifest), and prints the working directory. `exec PLAN` then becomes the server: same PID, the
+plan's environment, its working directory.
+
+Every check runs in this process (the patch tool's status, computed once, and preflight's
+checks are function calls): between serve.sh and vLLM there is this one Python process and
+`exec`'s. So they describe the vLLM that this interpreter imports: run `plan` under the vLLM
+environment's Python (`--python` names the interpreter of the server's command, e.g. a wrapper
+script of that environment).
 
     MODEL=/models/Flash-Next PROFILE=gb10-community launch.py plan --log server.log --host 127.0.0.1 --port 8100
     launch.py exec server.log.launch.json
@@ -22,8 +29,11 @@ Exit status of `plan`: 0 planned; 1 refused (the message says what, why and what
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import getpass
+import io
 import json
 import os
 import platform
@@ -33,7 +43,8 @@ import subprocess
 import sys
 import tempfile
 
-from magpie import tool_command
+from magpie import patches, tool_command
+from magpie.serving import manifest, preflight
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILE_DIR = os.path.join(HERE, "profiles")
@@ -240,26 +251,87 @@ def required_patches(config: dict) -> list[tuple[str, str]]:
     return needed
 
 
-def check_patches(python: str, patch_tool: str, config: dict) -> None:
+PATCH_TOOL = os.path.abspath(patches.__file__)
+
+
+@dataclasses.dataclass
+class PatchStatus:
+    """The patch tool's status of the vLLM this interpreter imports, computed in this process,
+    once: what `patches.py status --python PYTHON` reports, PYTHON being this interpreter (or a
+    wrapper of it: it only spells the advice). `error` is set where the tool would have refused."""
+
+    python: str
+    target: patches.Target | None = None
+    folder: str = ""
+    series: list[patches.Patch] = dataclasses.field(default_factory=list)
+    states: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+    @classmethod
+    def of_this_interpreter(cls, python: str) -> PatchStatus:
+        try:
+            root = os.path.dirname(preflight.vllm_package_dir())
+        except preflight.Refused:
+            return cls(python, error=f"--python {python}: vllm is not installed for this interpreter")
+        try:
+            # As `status --python` finds it: the folder that holds the imported vllm package.
+            target = dataclasses.replace(patches.find_target(root, None), kind="installed package")
+            folder = patches.series_dir(os.path.normpath(patches.PATCHES_DIR), target.version)
+            series = patches.load_series(folder)
+            states = patches.compute_states(patches.Tree(target.root), series)
+        except patches.NoSeries as e:
+            return cls(python, error=e.advice(f"--python {shlex.quote(python)}"))
+        except patches.ToolError as e:
+            return cls(python, error=str(e))
+        return cls(python, target, folder, series, states)
+
+    def table(self, chosen: list[patches.Patch] | None = None) -> list[str]:
+        """The tool's text: its table of CHOSEN (default: every patch), or its error."""
+        if self.error is not None:
+            return [f"error: {self.error}"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            patches.print_table(self.target, self.folder, self.series if chosen is None else chosen, self.states)
+        return out.getvalue().splitlines()
+
+    def record(self) -> dict:
+        """The manifest's `patches`: `status --json`'s record and the table, or the error."""
+        if self.error is not None:
+            return {"error": self.error, "table": self.table()}
+        return {
+            "target": dataclasses.asdict(self.target),
+            "series": os.path.abspath(self.folder),
+            "patches": [
+                {"name": p.name, "state": state, "detail": detail, "requires": p.requires}
+                for p in self.series
+                for state, detail in [self.states[p.name]]
+            ],
+            "table": self.table(),
+        }
+
+    def require(self, selector: str, why: str) -> None:
+        """Refuse unless every patch SELECTOR names is applied (`status --require-applied SELECTOR`)."""
+        try:
+            if self.error is not None:
+                raise patches.ToolError(self.error)
+            chosen = patches.select(self.series, [selector])
+        except patches.ToolError as e:
+            raise Refused(f"{why} needs the {selector} patches; the patch tool says:\nerror: {e}") from None
+        table = "\n".join(self.table(chosen))
+        if any(self.states[p.name][0] == patches.CONFLICTING for p in chosen):
+            raise Refused(
+                f"{why} needs the {selector} patches, and they conflict with this vLLM (another version?):\n{table}"
+            )
+        if any(self.states[p.name][0] != patches.APPLIED for p in chosen):
+            raise Refused(
+                f"{why} needs the {selector} patches applied to this vLLM, and they are not:\n{table}\n"
+                f"apply them: {PATCH_TOOL} apply {selector} --python {self.python}"
+            )
+
+
+def check_patches(status: PatchStatus, config: dict) -> None:
     for selector, why in required_patches(config):
-        proc = subprocess.run(
-            [python, patch_tool, "status", "--require-applied", selector, "--python", python],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        out = (proc.stdout + proc.stderr).strip()
-        if proc.returncode == 1:
-            raise Refused(
-                f"{why} needs the {selector} patches applied to this vLLM, and they are not:\n{out}\n"
-                f"apply them: {patch_tool} apply {selector} --python {python}"
-            )
-        if proc.returncode == 3:
-            raise Refused(
-                f"{why} needs the {selector} patches, and they conflict with this vLLM (another version?):\n{out}"
-            )
-        if proc.returncode != 0:
-            raise Refused(f"{why} needs the {selector} patches; the patch tool says:\n{out}")
+        status.require(selector, why)
 
 
 def relative_paths_in(args: list[str], cwd: str) -> list[str]:
@@ -357,20 +429,21 @@ def plan(args: argparse.Namespace) -> int:
     path = profile_path(profile_name)
     profile = load_profile(path)
     config, used = apply_overrides(profile)
-    check_patches(python, args.patch_tool, config)
+    status = PatchStatus.of_this_interpreter(python)
+    check_patches(status, config)
 
     spec = config.get("speculative-config") or {}
-    preflight = tool_command(python, "magpie.serving.preflight", "--model", model, "--jit-check", jit_check, "--header")
-    if spec.get("draft_vocab_path"):
-        preflight += ["--draft-vocab-path", spec["draft_vocab_path"]]
-    proc = subprocess.run(preflight, stdout=subprocess.PIPE, text=True, check=False)  # stderr: the refusal
-    if proc.returncode != 0:
-        return 1
-    header = proc.stdout.rstrip("\n")
+    try:
+        checks = preflight.run_checks(model, spec.get("draft_vocab_path"), jit_check)
+    except preflight.Refused as e:
+        raise Refused(str(e)) from None
+    versions = preflight.versions()
 
+    profile_label = os.path.basename(path).rsplit(".", 1)[0]
     env, env_lines = server_environment(
-        os.path.basename(path).rsplit(".", 1)[0], os.environ.get("GB10_ENV", "auto"), os.environ.get("JIT_JOBS", "4")
+        profile_label, os.environ.get("GB10_ENV", "auto"), os.environ.get("JIT_JOBS", "4")
     )
+    gb10_env = dict(env)
     pythonpath = os.environ.get("PYTHONPATH", "")
     if pythonpath:  # relative entries would point elsewhere from the server's working directory
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in pythonpath.split(os.pathsep))
@@ -387,31 +460,36 @@ def plan(args: argparse.Namespace) -> int:
     if os.path.exists(os.path.join(workdir, "vllm")):
         raise Refused(f"WORKDIR={workdir} has a vllm/ entry, which would shadow the installed vLLM")
 
-    patch_table = subprocess.run(
-        [python, args.patch_tool, "status", "--python", python], capture_output=True, text=True, check=False
-    )
-    settings = " ".join(used) or "none"
-    lines = [
-        f"serve.sh: started {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} by "
-        f"{getpass.getuser()}@{platform.node()}",
-        f"command: {bash_quote(cmd)}",
-        f"profile: {os.path.basename(path).rsplit('.', 1)[0]} ({path})",
-        f"settings: {settings} (over the profile); HOST={args.host} PORT={args.port} "
-        f"MEM_HARD_LIMIT={args.mem_hard_limit or 'none'}",
-        f"working directory: {workdir} (caller's: {caller_cwd})",
-        f"PYTHONPATH: {env.get('PYTHONPATH', '')}",
-        *env_lines,
-        f"resolved config: {json.dumps(config, sort_keys=True)}",
-    ]
-    with open(log, "w") as f:
-        for line in lines:
-            f.write(f"# {line}\n")
-        f.write(header + "\n")
-        for line in (patch_table.stdout + patch_table.stderr).splitlines():
-            f.write(f"# patches: {line}\n")
-        f.write("# ---- vLLM output follows\n")
-    with open(log + ".launch.json", "w") as f:
-        json.dump({"argv": launch, "env": env, "cwd": workdir, "profile": path, "config": config}, f, indent=1)
+    record = {
+        "schema": manifest.SCHEMA,
+        "argv": launch,
+        "env": env,
+        "cwd": workdir,
+        "command": cmd,
+        "command_text": bash_quote(cmd),
+        "model": model,
+        "server": {"host": args.host, "port": args.port, "url": f"http://{args.host}:{args.port}"},
+        "log": log,
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "user": getpass.getuser(),
+        "node": platform.node(),
+        "caller_cwd": caller_cwd,
+        "pythonpath": env.get("PYTHONPATH", ""),
+        "profile": {"name": profile_label, "path": path, "values": profile},
+        "overrides": dict(item.split("=", 1) for item in used),
+        "extra_args": extra,
+        "mem_hard_limit": args.mem_hard_limit or None,
+        "config": config,
+        "gb10": {
+            "applied": env_lines[0].startswith("GB10 settings: applied"),
+            "environment": gb10_env,
+            "notes": env_lines,
+        },
+        "checks": checks,
+        "versions": versions,
+        "patches": status.record(),
+    }
+    manifest.write(log, record)
     print(workdir)
     return 0
 
@@ -438,14 +516,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p_plan = sub.add_parser(
         "plan",
-        help="check everything, write LOG's header and LOG.launch.json",
+        help="check everything, write LOG.launch.json (plan and run manifest) and LOG's header",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p_plan.add_argument("--log", required=True, help="the server log (serve.sh's LOG)")
     p_plan.add_argument("--host", default="127.0.0.1")
     p_plan.add_argument("--port", type=int, default=8100)
-    p_plan.add_argument("--python", default=sys.executable, help="the vLLM environment's Python")
-    p_plan.add_argument("--patch-tool", default=os.path.join(HERE, "..", "patches.py"))
+    p_plan.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the vLLM environment's Python, as the server's command names it (the checks are of the vLLM "
+        "that the Python running `plan` imports)",
+    )
     p_plan.add_argument("--mem-hard-limit", default="", help="launch through `memguard.py exec --max` (e.g. 110GiB)")
     p_plan.add_argument("--workdir", default="", help="the server's working directory (default: a new empty one)")
     p_plan.add_argument("extra", nargs=argparse.REMAINDER, help="-- more `vllm serve` arguments (they come last)")

