@@ -27,24 +27,15 @@ let
     ;
   src = source.checks;
 
-  # The sdist of each release a series targets (the full source tree), as the registry lists it:
-  # sha256 and immutable path (docs/nix.md, "Where the files come from").
-  vllmSdists = {
-    "0.29.0" = {
-      name = "vllm-sdist";
-      filename = "vllm-0.29.0.tar.gz";
-      path = "88/fe/d87b6daf7f02a16464b50685dcf8e0ee7c6e12ad4d2b7107c41717d8566c/vllm-0.29.0.tar.gz";
-      # c03feb07943ecae9e69e7dc424d7c5569ecf8d1292513aef2a4de67af381cd97
-      hash = "sha256-wD/rB5Q+yunmnn3EJNfFVp7PjRKSUTrvKk3mevOBzZc=";
-    };
-    "0.33.0" = {
-      name = "vllm-sdist";
-      filename = "vllm-0.33.0.tar.gz";
-      path = "f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz";
-      # f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
-      hash = "sha256-9MM8JQPVK7QRFGr6lhik9IvtaJEvYX5oA6yNduTHQRI=";
-    };
+  # The sdist of each release a series targets (the full source tree): sha256 and immutable
+  # path, spelled once in tests/env/sdists.json (tests/env/fetch_sdist.py reads it too).
+  sdistPin = _version: sdist: {
+    name = "vllm-sdist";
+    inherit (sdist) filename path;
+    hash = "sha256:${sdist.sha256}";
   };
+  sdistsFile = builtins.fromJSON (builtins.readFile ../tests/env/sdists.json);
+  vllmSdists = builtins.mapAttrs sdistPin sdistsFile.sdists;
   testPython = python.withPackages (ps: [
     ps.pytest
     ps.pytest-timeout
