@@ -99,7 +99,7 @@ def mtp_results(work, mtp_server, gsm8k_fixture) -> Path:
     proc = suite(out, mtp_server, "CPU, MTP k=3, full draft head", "mtp=3 draft_head=full", gsm8k_fixture)
     assert proc.returncode == 0, proc.stdout + proc.stderr + (out / "suite.log").read_text()
     capture = run_tool(
-        "profile_capture.py",
+        "profile-capture",
         "--url",
         mtp_server.url,
         "--trace-dir",
@@ -250,7 +250,7 @@ def test_acceptance_figures_equal_raw_metrics_counters(mtp_server, tmp_path):
     before = mtp_server.get("/metrics")
     out = tmp_path / "bench.json"
     proc = run_tool(
-        "bench_decode.py",
+        "bench-decode",
         "--url",
         mtp_server.url,
         "-n",
