@@ -74,20 +74,17 @@ def special_ids(tokenizer_name: str) -> list[int]:
 
 
 def load_keepset(path: str):
-    """A keep-set written by this script or used by vLLM (.npy without pickle, .pt with weights_only)."""
-    import numpy as np
+    """A keep-set to --union, read and checked by the mtp_pruning patch's own rules, those vLLM
+    applies to draft_vocab_path (magpie.serving.preflight.read_keep_ids: .pt with weights_only,
+    .npy and .safetensors without unpickling; integer, 1-D, non-empty, sorted, unique,
+    non-negative): a file vLLM would refuse is refused here, for the same reason. The upper bound
+    is the counts' vocabulary, checked by build_keepset."""
+    from magpie.serving import preflight
 
-    if path.endswith(".npy"):
-        ids = np.load(path, allow_pickle=False)
-    elif path.endswith(".pt"):
-        import torch
-
-        ids = torch.load(path, map_location="cpu", weights_only=True).numpy()
-    else:
-        raise ValueError(f"{path}: a keep-set is .npy or .pt")
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise ValueError(f"{path}: not a 1-D integer keep-set (shape {ids.shape}, dtype {ids.dtype})")
-    return ids.astype(np.int64)
+    try:
+        return preflight.read_keep_ids(path).numpy()
+    except preflight.Refused as e:
+        raise ValueError(f"--union: {e}") from None
 
 
 def save_keepset(ids, path: str) -> None:
