@@ -15,7 +15,7 @@ import pytest
 
 from magpie.demo.overlay import vllm_env
 from magpie.serving import preflight as preflight_module
-from tests.mtp_pruning.pruning_helpers import write_malformed_keepsets
+from tests.mtp_pruning.pruning_helpers import run_script, write_malformed_keepsets
 
 PACKAGE = Path(__file__).resolve().parent.parent.parent / "magpie"
 VOCAB = 4096
@@ -95,3 +95,24 @@ def test_the_shipped_keepset_rules_are_the_installed_patchs_and_refuse_the_same_
     # rule but the upper bound still holds.
     np.save(good, np.array([2, 5, 10 * VOCAB], dtype=np.int64))
     assert preflight_module.read_keep_ids(str(good)).tolist() == [2, 5, 10 * VOCAB]
+
+
+@pytest.mark.parametrize("case", ["unsorted", "duplicate", "float", "two_d", "pickle", "safetensors_no_offsets"])
+def test_build_keepset_union_refuses_what_the_server_refuses_for_the_same_reason(
+    pruning_overlay, keepsets, tmp_path, case
+):
+    path, message = keepsets[case]
+    with pytest.raises(preflight_module.Refused) as server:  # the patched vLLM's own rules
+        preflight_module.read_keep_ids(
+            str(path), VOCAB, preflight_module.draft_vocab_module(str(pruning_overlay / "vllm"))
+        )
+    counts = np.zeros(VOCAB, dtype=np.int64)
+    counts[[10, 11]] = [3, 1]
+    np.save(tmp_path / "counts.npy", counts)
+    out = tmp_path / "keep.npy"
+    status, _, err = run_script(
+        "build_keepset", tmp_path / "counts.npy", "-o", out, "--no-special-ids", "--union", path
+    )
+    assert status == 1 and not out.exists()
+    assert err.strip() == f"error: --union: {server.value}" and message in err
+    assert not (path.parent / "CODE-RAN").exists()
