@@ -382,6 +382,33 @@ def test_plan_writes_a_manifest_that_holds_what_the_header_says(tmp_path, tiny_m
     assert manifest.patch_states(record) == rows
 
 
+FAKE_NVIDIA_SMI = """\
+#!/bin/sh
+# nvidia-smi of one GB10, in the CSV format the real one prints (a CPU host has none).
+case "$*" in
+  "--query-gpu=name --format=csv,noheader") echo "NVIDIA GB10" ;;
+  "--query-gpu=name,compute_cap,driver_version --format=csv,noheader") echo "NVIDIA GB10, 12.1, 580.95.05" ;;
+  *) echo "fake nvidia-smi: unexpected arguments: $*" >&2; exit 2 ;;
+esac
+"""
+
+
+def test_plan_on_a_gb10_records_its_gpu_and_driver_from_nvidia_smi(tmp_path, tiny_mtp_model):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(FAKE_NVIDIA_SMI)
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    path = os.pathsep.join([str(bin_dir), os.environ["PATH"]])
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, PROFILE="hopper", MTP="0", PATH=path)
+    assert proc.returncode == 0, proc.stderr
+    os.rmdir(plan["cwd"])
+    assert plan["versions"]["gpu"] == [{"name": "NVIDIA GB10", "sm": "121"}]
+    assert plan["versions"]["driver"] == "580.95.05"
+    assert plan["gb10"]["applied"] and "# GB10 settings: applied (nvidia-smi reports a GB10)" in header
+    assert "# gpu: NVIDIA GB10 (sm_121)\n" in header and "# driver: 580.95.05\n" in header
+
+
 def test_manifest_load_says_what_is_wrong_with_a_file(tmp_path):
     log = tmp_path / "server.log"
     assert manifest.load(log) is None  # a log serve.sh did not start
