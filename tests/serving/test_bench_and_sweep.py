@@ -65,7 +65,7 @@ def prompts() -> list[str]:
 
 def bench(url: str, out: Path, prompt_file: Path, *extra: str) -> dict:
     proc = run_tool(
-        "bench_decode.py",
+        "bench-decode",
         "--url", url,
         "-n", str(PROMPT_COUNT),
         "-c", "1",
