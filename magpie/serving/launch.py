@@ -37,6 +37,7 @@ import io
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -242,10 +243,43 @@ def apply_overrides(profile: dict) -> tuple[dict, list[str]]:
 # Checks before the launch
 
 
+# From vLLM 0.30 the n-gram table is vLLM's Engram code: PLE=1 is the ple_ssd patch's Engram storage
+# mode there (patches/vllm-0.33.0/ple_ssd), not 0.29's hf-overrides switch, which 0.30+ ignores
+# (and then pins the whole table in host memory: 102 GB, impossible on a GB10).
+ENGRAM_RELEASE = (0, 30)
+ENGRAM_MMAP = {"offload_storage": "mmap"}
+
+
+def _release(version: str | None) -> tuple[int, ...] | None:
+    numbers = re.match(r"(\d+)\.(\d+)", version or "")
+    return tuple(int(n) for n in numbers.groups()) if numbers else None
+
+
+def ple_for_release(config: dict, vllm_version: str | None) -> dict:
+    """The table-on-disk switch as the target vLLM spells it: `hf-overrides: {ple_mmap: true}` on
+    0.29, `engram-config: {offload_storage: mmap}` from 0.30 (a profile is written for 0.29)."""
+    release = _release(vllm_version)
+    if release is None or release < ENGRAM_RELEASE:
+        return config
+    config = dict(config)
+    overrides = dict(config.get("hf-overrides") or {})
+    if overrides.pop("ple_mmap", False):
+        engram = dict(config.get("engram-config") or {})
+        engram.update(ENGRAM_MMAP)
+        config["engram-config"] = engram
+    if overrides:
+        config["hf-overrides"] = overrides
+    else:
+        config.pop("hf-overrides", None)
+    return config
+
+
 def required_patches(config: dict) -> list[tuple[str, str]]:
     needed = []
     if (config.get("hf-overrides") or {}).get("ple_mmap"):
         needed.append(("ple_ssd", "PLE=1 (--hf-overrides '{\"ple_mmap\": true}')"))
+    if (config.get("engram-config") or {}).get("offload_storage") == "mmap":
+        needed.append(("ple_ssd", 'PLE=1 (--engram-config \'{"offload_storage": "mmap"}\')'))
     if (config.get("speculative-config") or {}).get("draft_vocab_path"):
         needed.append(("mtp_pruning", "DRAFT_VOCAB_PATH (the pruned MTP draft head)"))
     return needed
@@ -430,6 +464,7 @@ def plan(args: argparse.Namespace) -> int:
     profile = load_profile(path)
     config, used = apply_overrides(profile)
     status = PatchStatus.of_this_interpreter(python)
+    config = ple_for_release(config, status.target.version if status.target else None)
     check_patches(status, config)
 
     spec = config.get("speculative-config") or {}
