@@ -36,6 +36,13 @@ let
   };
   sdistsFile = builtins.fromJSON (builtins.readFile ../tests/env/sdists.json);
   vllmSdists = builtins.mapAttrs sdistPin sdistsFile.sdists;
+  # The releases that have a series, with their sdist (the ruff check reads their pyproject.toml).
+  hasSeries = release: builtins.pathExists (../patches + "/vllm-${release}/series");
+  sdistTarball = release: {
+    inherit release;
+    tarball = fetchurl (magpieLib.pinToFetchurlArgs registryFileBases vllmSdists.${release});
+  };
+  seriesSdists = map sdistTarball (builtins.filter hasSeries (builtins.attrNames vllmSdists));
   testPython = python.withPackages (ps: [
     ps.pytest
     ps.pytest-timeout
@@ -141,12 +148,28 @@ releaseChecks
         touch "$out"
       '';
 
-  ruff = runCommand "magpie-ruff" { nativeBuildInputs = [ ruffBin ]; } ''
-    cd ${src}
-    ruff check --no-cache .
-    ruff format --no-cache --check .
-    touch "$out"
-  '';
+  # The lint step's own file lists (tests/lint.sh, as tests/run.sh runs it): the project's Python
+  # with its settings, and the Python the series ship with each series' vLLM release's own ruff
+  # settings (that release's pyproject.toml, from its sdist: seriesSdists).
+  ruff =
+    runCommand "magpie-ruff"
+      {
+        nativeBuildInputs = [
+          ruffBin
+          python
+          gnused
+          findutils
+        ];
+      }
+      ''
+        cp -r ${src} repo && chmod -R u+w repo && cd repo
+        mkdir sdists
+        ${lib.concatMapStrings (sdist: ''
+          tar -xzf ${sdist.tarball} -C sdists vllm-${sdist.release}/pyproject.toml
+        '') seriesSdists}
+        RUFF=ruff PYTHON=python3 VLLM_SDISTS="$PWD/sdists" bash tests/lint.sh python patches
+        touch "$out"
+      '';
 
   shellcheck =
     runCommand "magpie-shellcheck"
@@ -160,7 +183,7 @@ releaseChecks
       ''
         ${shellcheckVersionCheck}
         cd ${src}
-        find . -name '*.sh' -print0 | xargs -0 shellcheck .ci/run
+        SHELLCHECK=shellcheck bash tests/lint.sh shell
         touch "$out"
       '';
 
