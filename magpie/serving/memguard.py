@@ -60,8 +60,7 @@ import subprocess
 import sys
 import time
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2}
-_UNITS.update({"g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4})
+from magpie import cli
 
 # Lines of the NVIDIA driver, the CUDA runtime and PyTorch that report the GPU side running out of
 # memory, or the driver reporting a fault (Xid).
@@ -74,12 +73,7 @@ OWN_LINES = ("# ", "[memguard", "[watchdog")
 XID_PID = re.compile(r"NVRM: Xid\b.*?\bpid=(?P<pid>\d+)")
 
 
-def parse_size(text: str) -> int:
-    """'6GiB' -> 6442450944, '512MiB', '110G' (decimal), '1048576' (bytes)."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 6GiB, 512MiB, 110G, 1048576)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+parse_size = cli.parse_size  # one size rule for every tool (magpie/cli.py)
 
 
 def format_size(size: float) -> str:
@@ -654,24 +648,11 @@ def hard_limit_cgroup(limit: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="memguard.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie memguard", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p_watch = sub.add_parser(
-        "watch",
-        help="stop the server with PID when memory runs short (see the signals above)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p_watch = sub.add_parser("watch", help="stop the server with PID when memory runs short (see the signals above)")
     p_watch.add_argument("--pid", type=int, required=True, help="the server's PID (its process group if it leads one)")
-    p_run = sub.add_parser(
-        "run",
-        help="start a command in its own session and guard it",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p_run = sub.add_parser("run", help="start a command in its own session and guard it")
     for sub_parser in (p_watch, p_run):
         sub_parser.add_argument(
             "--min-available", type=parse_size, default="6GiB", help="stop the server under this MemAvailable"
@@ -726,11 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ProcessLookupError, PermissionError) as e:
         print(f"memguard: error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        return guard.run()
-    except KeyboardInterrupt:
-        return 0
+    return cli.run_until_stopped(guard.run)
 
 
 if __name__ == "__main__":

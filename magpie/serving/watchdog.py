@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 import urllib.error
 import urllib.request
 
+from magpie import cli
 from magpie.serving import memguard
 
 PROGRESS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:iteration_tokens_total_count")
@@ -168,14 +168,9 @@ class Watchdog:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="watchdog.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie watchdog", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("watch", help="watch one server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("watch", help="watch one server")
     p.add_argument("--pid", type=int, required=True, help="the server's PID (it should lead its process group)")
     p.add_argument("--url", default="http://127.0.0.1:8100", help="the server")
     p.add_argument("--stall-after", type=float, default=300.0, help="seconds without progress that make a stall")
@@ -193,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ProcessLookupError, PermissionError) as e:
         print(f"watchdog: error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        return watchdog.run()
-    except KeyboardInterrupt:
-        return 0
+    return cli.run_until_stopped(watchdog.run)
 
 
 if __name__ == "__main__":
