@@ -15,7 +15,9 @@ from pathlib import Path
 from tests.v0_33.tree_033 import SERIES, TOOL, sdist_033
 
 REPO = Path(__file__).resolve().parent.parent.parent
-PATCHES = ["mtp_pruning/0001-draft-vocab-pruning.patch", "mtp_pruning/0002-quantized-pruned-head.patch"]
+MTP = ["mtp_pruning/0001-draft-vocab-pruning.patch", "mtp_pruning/0002-quantized-pruned-head.patch"]
+PLE = ["ple_ssd/0001-engram-mmap-storage.patch"]
+PATCHES = MTP + PLE
 
 
 def run_tool(*args) -> subprocess.CompletedProcess:
@@ -36,16 +38,18 @@ def states(*args) -> dict[str, str]:
     return {p["name"]: p["state"] for p in json.loads(proc.stdout)["patches"]}
 
 
-def test_series_lists_the_mtp_pruning_patches_in_order():
+def test_series_lists_the_mtp_pruning_then_the_ple_ssd_patches():
     entries = [ln for ln in (SERIES / "series").read_text().splitlines() if ln and not ln.startswith("#")]
     assert entries == PATCHES
 
 
 def test_headers_name_the_release_the_origin_and_the_prerequisite():
-    first, second = ((SERIES / name).read_text() for name in PATCHES)
+    first, second, ple = ((SERIES / name).read_text() for name in PATCHES)
     assert "\nTarget: vllm 0.33.0\nRebased-From: vllm 0.29.0 (magpie/patches.py rebase)\nRequires: none\n" in first
     assert "\nTarget: vllm 0.33.0\nRequires: mtp_pruning/0001\n" in second
     assert '"draft_lm_head_quantization": "fp8"' in second.split("\n---\n")[0]
+    assert "\nTarget: vllm 0.33.0\nRequires: none\n" in ple
+    assert 'Activation: --engram-config \'{"offload_storage": "mmap"}\'' in ple.split("\n---\n")[0]
 
 
 def test_series_applies_and_reverts_byte_for_byte_on_the_sdist(tmp_path):
@@ -64,7 +68,7 @@ def test_series_applies_and_reverts_byte_for_byte_on_the_sdist(tmp_path):
     proc = run_tool("apply", "mtp_pruning", "--target", str(tree))
     assert proc.returncode == 0, proc.stderr
     assert "5 file(s) changed" in proc.stdout
-    assert states("--target", str(tree)) == dict.fromkeys(PATCHES, "applied")
+    assert states("--target", str(tree)) == {**dict.fromkeys(MTP, "applied"), **dict.fromkeys(PLE, "not applied")}
     changed = [rel for rel, sha in digest(tree).items() if pristine.get(rel) != sha]
     assert sorted(changed) == [
         "vllm/config/speculative.py",
@@ -74,6 +78,20 @@ def test_series_applies_and_reverts_byte_for_byte_on_the_sdist(tmp_path):
         "vllm/v1/worker/gpu/spec_decode/eagle/utils.py",
     ]
     for rel in changed:
+        py_compile.compile(str(tree / rel), cfile=str(tmp_path / "pyc" / (rel + "c")), doraise=True)
+    proc = run_tool("apply", "ple_ssd", "--target", str(tree))
+    assert proc.returncode == 0, proc.stderr
+    assert states("--target", str(tree)) == dict.fromkeys(PATCHES, "applied")
+    ple_changed = [rel for rel, sha in digest(tree).items() if pristine.get(rel) != sha and rel not in changed]
+    assert sorted(ple_changed) == [
+        "vllm/config/engram.py",
+        "vllm/config/vllm.py",
+        "vllm/models/qwen4_exp/common/ngram_embedding.py",
+        "vllm/models/qwen4_exp/common/ple_mmap.py",
+        "vllm/models/qwen4_exp/nvidia/model_state.py",
+        "vllm/models/qwen4_exp/nvidia/ngram_embedding.py",
+    ]
+    for rel in ple_changed:
         py_compile.compile(str(tree / rel), cfile=str(tmp_path / "pyc" / (rel + "c")), doraise=True)
     # Reverting 0001 alone is refused while 0002 is applied.
     proc = run_tool("revert", "mtp_pruning/0001", "--target", str(tree))
