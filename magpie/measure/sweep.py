@@ -111,14 +111,6 @@ POINT_FIELDS = [
 # Arguments
 
 
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", text, re.I)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 6GiB, 512MiB)")
-    unit = (match.group(2) or "B").upper().rstrip("B").rstrip("I")
-    return int(float(match.group(1)) * 1024 ** " KMGT".index(unit or " "))
-
-
 def int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -485,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per run, at least the concurrency (default: %(default)s)")  # fmt: skip
     parser.add_argument("--prompt-style", choices=["chat", "random"], default="chat", help="default: %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
-    parser.add_argument("--min-free", type=parse_size, default="6GiB",
+    parser.add_argument("--min-free", type=cli.parse_size, default="6GiB",
                         help="memory gate: MemAvailable needed before each run")  # fmt: skip
     parser.add_argument("--gate-wait", type=float, default=120,
                         help="seconds to wait for the gate, then stop (default: %(default)s)")  # fmt: skip
