@@ -49,6 +49,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         help_text = action.help or ""
         if action.default in (None, False, [], "") or action.default is argparse.SUPPRESS:
             return help_text
+        if action.nargs == 0 and isinstance(action.default, bool):  # a store_false flag: True says nothing
+            return help_text
         return super()._get_help_string(action)
 
 

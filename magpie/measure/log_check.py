@@ -189,13 +189,17 @@ def check(lines: list[str], patches_dir: str | None = None) -> dict:
     hook_number, _ = first("ple_hook")
     staging_number, _ = first("ple_staging")
     if active is not None:
-        staged = active.group("how").startswith("rows staged")
+        how = active.group("how")
+        if how.startswith("rows read by the GPU"):  # vLLM 0.33's Engram storage mode where ATS is reported
+            rows = "read by the GPU straight from the checkpoint's file mappings (ple_ssd on 0.33, ATS)"
+        elif how.startswith("rows staged"):
+            rows = "staged before the forward (ple_ssd 0002; on 0.33 the Engram storage mode)"
+        else:
+            rows = "gathered inside the forward by a custom op (ple_ssd 0001 only; PIECEWISE graphs)"
         features["ple_mmap"] = {
             "state": "on",
             "tables": len(found["ple_active"]),
-            "rows": "staged before the forward (ple_ssd 0002)"
-            if staged
-            else "gathered inside the forward by a custom op (ple_ssd 0001 only; PIECEWISE graphs)",
+            "rows": rows,
             "evidence": [evidence(n) for n in (asked_number, hook_number, active_number, staging_number) if n],
         }
     elif asked is not None and asked.group("on") == "True":

@@ -38,24 +38,17 @@ import urllib.request
 
 from magpie import cli
 from magpie.serving import memguard
+from magpie.serving.metrics import MetricsSnapshot
 
 PROGRESS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:iteration_tokens_total_count")
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def metric_sums(page: str, names) -> dict[str, float]:
-    """Each metric summed over its label sets (engines, models) from a Prometheus text page."""
-    sums = dict.fromkeys(names, 0.0)
-    for line in page.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in sums:
-            try:
-                sums[name] += float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                pass
-    return sums
+    """Each metric summed over its label sets (engines, models) from a Prometheus text page
+    (the one parser, magpie.serving.metrics); 0 for a metric the page does not have."""
+    snapshot = MetricsSnapshot.parse(page)
+    return {name: snapshot.sum(name) or 0.0 for name in names}
 
 
 class Watchdog:

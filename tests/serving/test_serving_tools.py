@@ -301,9 +301,7 @@ def test_gsm8k_json_is_schema_valid_and_consistent(mtp_results, gsm8k_fixture):
 
 
 def test_gsm8k_refuses_a_file_of_the_wrong_size(mtp_server, gsm8k_fixture, tmp_path):
-    proc = run_tool(
-        "gsm8k_eval.py", "--url", mtp_server.url, "--dataset", str(gsm8k_fixture), "--expect-records", "1319"
-    )
+    proc = run_tool("gsm8k", "--url", mtp_server.url, "--dataset", str(gsm8k_fixture), "--expect-records", "1319")
     assert proc.returncode == 2 and "12 problems, not the expected 1319" in proc.stderr
 
 
