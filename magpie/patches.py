@@ -254,25 +254,44 @@ def parse_patch(name: str, text: str) -> Patch:
     return Patch(name, fields, requires, files)
 
 
+def load_file(path: str | os.PathLike, name: str, register: bool = True):
+    """Import the Python file at `path` as module `name` (in sys.modules when `register`), without
+    importing the package around it: the one loader of a single file (a patch's new module, a
+    patched tree's module, torch's version.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.fspath(path))
+    if spec is None or spec.loader is None:
+        raise ToolError(f"{path}: not a Python file that can be imported")
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        if register:
+            sys.modules.pop(name, None)
+        raise
+    return module
+
+
 def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
     """Import the file that a patch creates (its new-file diff) as module `name`, without any
     vLLM tree: the benchmarks time the very code a patch ships this way."""
-    import importlib.util
-
     with open(patch_file, encoding="utf-8") as f:
         patch = parse_patch(os.fspath(patch_file), f.read())
     created = [fp for fp in patch.files if fp.path == path and not fp.old_exists]
     if not created:
         raise ToolError(f"{patch_file} does not create {path}")
+    # The file stays while this process runs (tracebacks and inspect read it); removed at exit.
+    import atexit
+
     folder = tempfile.mkdtemp(prefix=f"{name}-")
+    atexit.register(shutil.rmtree, folder, True)
     source = os.path.join(folder, os.path.basename(path))
     with open(source, "w", encoding="utf-8") as f:
         f.write("".join(line for hunk in created[0].hunks for line in hunk.new_lines))
-    spec = importlib.util.spec_from_file_location(name, source)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file(source, name)
 
 
 def created_files(patches: list[Patch]) -> dict[tuple[str, str], str]:

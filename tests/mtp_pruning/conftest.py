@@ -4,12 +4,11 @@ alone), the patch's machinery module loaded on its own, and keep-set files.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from magpie import patches
 from magpie.demo.overlay import make_overlay
 
 HERE = Path(__file__).resolve().parent
@@ -27,8 +26,4 @@ def pruning_overlay(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def draft_vocab(pruning_overlay):
     """The patch's machinery module, imported from the overlay by path: it needs only torch."""
-    spec = importlib.util.spec_from_file_location("draft_vocab_under_test", pruning_overlay / DRAFT_VOCAB_MODULE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclass-free, but keep the usual import invariant
-    spec.loader.exec_module(module)
-    return module
+    return patches.load_file(pruning_overlay / DRAFT_VOCAB_MODULE, "draft_vocab_under_test")

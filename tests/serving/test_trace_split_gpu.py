@@ -18,7 +18,6 @@ No GPU here, so the trace is made in two steps, and the test says so:
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import textwrap
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from magpie import patches
 from magpie.measure import trace_split
 from tests.serving.helpers import MEASURE, run_tool
 
@@ -72,10 +72,7 @@ KERNELS = {
 
 
 def _load(root: Path, relative: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, root / relative)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return patches.load_file(root / relative, name, register=False)
 
 
 @pytest.fixture(scope="module")

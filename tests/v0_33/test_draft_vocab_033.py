@@ -4,23 +4,18 @@ without vLLM: the quantized pruned head's swap and its refusals. The rest of the
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 
-from tests.v0_33.tree_033 import SERIES, TOOL
+from tests.v0_33.tree_033 import SERIES
 
 MODULE = "vllm/v1/spec_decode/draft_vocab.py"
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("magpie_patches_tool_033", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool
-    spec.loader.exec_module(tool)
-    return tool
+    from magpie import patches
+
+    return patches
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +30,7 @@ def draft_vocab(tmp_path_factory):
                 text = tool.apply_file(fp, text, reverse=False)
     path = tmp_path_factory.mktemp("draft-vocab-033") / "draft_vocab_033.py"
     path.write_text(text)
-    spec = importlib.util.spec_from_file_location("draft_vocab_033", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return tool.load_file(path, "draft_vocab_033")
 
 
 class Head(torch.nn.Module):
