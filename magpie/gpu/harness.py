@@ -312,12 +312,12 @@ def cmd_prepare(args) -> int:
         for cache in site.rglob("__pycache__"):
             shutil.rmtree(cache, ignore_errors=True)
         if args.suite == "mtp":
-            import models
+            from magpie.gpu import models
 
             print("[prepare] tiny Qwen3.5 + MTP models, keep-sets, the big model's spec", flush=True)
             models.build_small(work / "models")
         else:
-            import qwen4exp
+            from magpie.gpu import qwen4exp
 
             print("[prepare] the tiny Qwen4Exp's spec (the checkpoint is written on the GPU machine)", flush=True)
             qwen4exp.build_spec(work / "models" / "q4e-spec")

@@ -162,7 +162,7 @@ SUITES = {"mtp": MTP, "ple": PLE}
 
 def prepare_models(suite: str, models_dir: Path) -> None:
     """Write the suite's large checkpoints on the GPU machine (they never travel)."""
-    import models
+    from magpie.gpu import models
 
     if suite == "mtp" and not (models_dir / "big" / "model.safetensors").exists():
         models.materialize_big(models_dir / "big-spec", models_dir / "big")
@@ -171,7 +171,7 @@ def prepare_models(suite: str, models_dir: Path) -> None:
         import sys
 
         sys.path.insert(0, str(models_dir.parent / "site"))  # vLLM's own table layout
-        import qwen4exp
+        from magpie.gpu import qwen4exp
 
         qwen4exp.materialize(models_dir / "q4e-spec", models_dir / "q4e")
         print(f"[models] wrote {models_dir / 'q4e'}", flush=True)

@@ -35,6 +35,7 @@ import re
 import sys
 
 from magpie import patches as patch_tool
+from magpie.serving import manifest
 
 SCHEMA = "flash-next/log-check/1"
 
@@ -62,9 +63,7 @@ PATTERNS = {
     ),
     "init_engine": re.compile(r"init engine \(profile, create kv cache, warmup model\) took (?P<s>[\d.]+) s"),
     "startup_complete": re.compile(r"Application startup complete"),
-    # serve.sh's header and the memory guard (magpie/serving/).
-    "serve_header": re.compile(r"^# (?P<key>[a-z][a-z -]*): (?P<value>.*)$"),
-    "patch_row": re.compile(r"^# patches:\s+(?P<name>\S+\.patch)\s+(?P<state>applied|not applied|conflicting)"),
+    # The memory guard and the watchdog (magpie/serving/); the launch itself is in LOG.launch.json.
     "memguard_on": re.compile(r"\[memguard [^\]]*\] guarding server PID (?P<pid>\d+)"),
     "memguard_stopped": re.compile(r"\[memguard [^\]]*\] (?P<line>.*: stopping .*)"),
     "watchdog_on": re.compile(r"\[watchdog [^\]]*\] "),
@@ -248,11 +247,6 @@ def check(lines: list[str], patches_dir: str | None = None) -> dict:
         "evidence": evidence(complete_number),
     }
 
-    header = {}
-    for _, m in found["serve_header"]:
-        if m.group("key") != "patches":
-            header.setdefault(m.group("key"), m.group("value"))
-    patches = {m.group("name"): m.group("state") for _, m in found["patch_row"]}
     memory = {}
     for name, key, group in (
         ("weights", "weights_gib", "gib"),
@@ -269,7 +263,7 @@ def check(lines: list[str], patches_dir: str | None = None) -> dict:
         "schema": SCHEMA,
         "vllm_version": match.group("version") if match else None,
         "features": features,
-        "serve_sh": {"header": header, "patches": patches} if header else None,
+        "serve_sh": None,  # main() fills it from the run manifest (LOG.launch.json) serve.sh wrote
         "memory": memory,
         "summary": describe(features),
     }
@@ -325,6 +319,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["log"] = args.log
+    try:
+        record = manifest.load(args.log)  # serve.sh's run manifest: the launch as data, not the header's text
+    except manifest.ManifestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if record is not None:
+        result["serve_sh"] = {
+            "header": manifest.header(record),
+            "patches": manifest.patch_states(record),
+            "manifest": manifest.path_for(args.log),
+        }
     failures = []
     for item in args.expect:
         feature, _, wanted = item.partition("=")

@@ -479,3 +479,29 @@ def test_serve_sh_starts_no_python_before_vllm_but_launch_plan_and_exec(tmp_path
     assert set(manifest.patch_states(record).values()) == {"applied"}
     assert record["checks"]["keep_set"]["path"] == str(keep)
     assert record["command"][0] == str(wrapper) and record["versions"]["python"]["executable"] == PYTHON
+
+
+def test_log_check_reads_the_launch_from_the_run_manifest_not_the_header_text(tmp_path, tiny_mtp_model):
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, PROFILE="seed-gb10")
+    assert proc.returncode == 0, proc.stderr
+    log = tmp_path / "server.log"
+    record = manifest.load(log)
+    checked = subprocess.run(
+        [*tool("log-check"), str(log), "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    result = json.loads(checked.stdout)
+    assert result["serve_sh"]["manifest"] == manifest.path_for(log)
+    assert result["serve_sh"]["patches"] == manifest.patch_states(record) and result["serve_sh"]["patches"]
+    assert result["serve_sh"]["header"]["profile"].startswith("seed-gb10 (")
+    # The header's text alone is no longer read: the same log without its manifest has no launch record.
+    alone = tmp_path / "copy" / "server.log"
+    alone.parent.mkdir()
+    alone.write_text(header)
+    copied = subprocess.run(
+        [*tool("log-check"), str(alone), "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert json.loads(copied.stdout)["serve_sh"] is None
+    # A manifest of another schema is an error that names the file.
+    Path(manifest.path_for(alone)).write_text('{"schema": "other/1"}')
+    broken = subprocess.run([*tool("log-check"), str(alone)], capture_output=True, text=True, timeout=120)
+    assert broken.returncode == 2 and manifest.path_for(alone) in broken.stderr

@@ -29,9 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tree_033 import sdist_033  # noqa: E402
+from tests.v0_33.tree_033 import sdist_033
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
