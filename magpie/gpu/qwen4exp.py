@@ -202,3 +202,20 @@ def materialize(spec: Path, out: Path, seed: int = 0, rows: int | None = None) -
         if f.name not in ("spec.json", "small.safetensors"):
             shutil.copy(f, out / f.name)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m magpie.gpu.qwen4exp SPEC OUT`: materialize() in a process of its own, so the
+    carried vLLM tree (for table_rows) comes first on its PYTHONPATH, not on the harness's sys.path."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m magpie.gpu.qwen4exp SPEC_DIR OUT_DIR", file=sys.stderr)
+        return 2
+    materialize(Path(args[0]), Path(args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,6 +8,7 @@ configuration whose outputs this one must reproduce); timeout_s; env; hf_overrid
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -168,10 +169,14 @@ def prepare_models(suite: str, models_dir: Path) -> None:
         models.materialize_big(models_dir / "big-spec", models_dir / "big")
         print(f"[models] wrote {models_dir / 'big'}", flush=True)
     if suite == "ple" and not (models_dir / "q4e" / "config.json").exists():
+        import subprocess
         import sys
 
-        sys.path.insert(0, str(models_dir.parent / "site"))  # vLLM's own table layout
-        from magpie.gpu import qwen4exp
+        from magpie import tool_env
 
-        qwen4exp.materialize(models_dir / "q4e-spec", models_dir / "q4e")
+        # In a child whose PYTHONPATH starts with the carried vLLM tree (its table layout).
+        env = tool_env()
+        env["PYTHONPATH"] = os.pathsep.join([str(models_dir.parent / "site"), env["PYTHONPATH"]])
+        cmd = [sys.executable, "-m", "magpie.gpu.qwen4exp", str(models_dir / "q4e-spec"), str(models_dir / "q4e")]
+        subprocess.run(cmd, env=env, check=True)
         print(f"[models] wrote {models_dir / 'q4e'}", flush=True)
