@@ -210,7 +210,7 @@ def test_serve_sh_starts_the_memory_guard_on_its_server(mtp_server):
         for p in os.listdir("/proc")
         if p.isdigit()
         and os.path.exists(f"/proc/{p}/cmdline")
-        and Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:5]
+        and Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:6]
         == [str(PACKAGE).encode(), b"memguard", b"watch", b"--pid", str(pid).encode()]
     ]
     assert len(guards) == 1

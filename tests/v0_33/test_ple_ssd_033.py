@@ -426,7 +426,8 @@ def overlay(dest: Path, patched: bool) -> Path:
 
 
 def child(tree: Path, *args: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(tree), VLLM_LOGGING_LEVEL="WARNING")
+    # The 0.33 tree first, then the checkout (this file imports tests.v0_33 when run as a child).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]), VLLM_LOGGING_LEVEL="WARNING")
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), *args], env=env, capture_output=True, text=True, cwd=tree
     )
