@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from magpie.demo.tiny_models import qwen4_exp_text_config
 from tests.v0_33.tree_033 import sdist_033
 
 HERE = Path(__file__).resolve().parent
@@ -45,44 +46,19 @@ SHARDS, FILES = 16, 4
 # --------------------------------------------------------------------------- the child process
 def text_config(ngram_vocab_size_base: int) -> dict:
     """config.json of a tiny two-layer Qwen4Exp text model with PLE on layer 1."""
-    return {
-        "architectures": ["Qwen4ExpForCausalLM"],
-        "model_type": "qwen4_exp_text",
-        "torch_dtype": "bfloat16",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "layer_types": ["linear_attention", "full_attention"],
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 2,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "eos_token_id": EOS,
-        "bos_token_id": 1,
-        "tie_word_embeddings": False,
-        "hc_count": 2,
-        "hc_lowrank": 8,
-        "ple_layer_ids": [1],
-        "ple_embed_dim": NGRAM_HEADS * HEAD_DIM,
-        "ple_conv_kernel_size": 4,
-        "ngram_size": NGRAM_SIZE,
-        "heads_per_ngram": HEADS_PER_NGRAM,
-        "ngram_vocab_size_base": ngram_vocab_size_base,
-        "make_ngram_vocab_size_divisible_by": 128,
-        "split_ngram_parts": SHARDS,
-    }
+    return qwen4_exp_text_config(
+        vocab_size=VOCAB,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        ple_layer_ids=[1],
+        ple_embed_dim=NGRAM_HEADS * HEAD_DIM,
+        ple_conv_kernel_size=4,
+        ngram_size=NGRAM_SIZE,
+        heads_per_ngram=HEADS_PER_NGRAM,
+        ngram_vocab_size_base=ngram_vocab_size_base,
+        make_ngram_vocab_size_divisible_by=128,
+        split_ngram_parts=SHARDS,
+    )
 
 
 def build(out: Path, base: int, fp8: bool, nvfp4: bool, filler: int, drop: int | None = None) -> dict:
