@@ -413,10 +413,21 @@ def cmd_stage(args) -> int:
     for folder in map(Path, args.folders):
         manifest = json.loads((folder / "manifest.json").read_text())
         part = manifest["part"]
-        for name, info in manifest["files"].items():
+        # A site part may come over two calls (carry names single files: the models in one call,
+        # the vLLM tree in the next, when the tree and the MoE kernels together pass 64 MiB).
+        present = [name for name in manifest["files"] if (folder / name).exists()]
+        absent = [name for name in manifest["files"] if name not in present]
+        if not present or (absent and part in KERNELS):
+            raise HarnessError(f"{folder}: {', '.join(absent)} not carried (its manifest lists them)")
+        for name in present:
             digest = sha256(folder / name)
-            if digest != info["sha256"]:
-                raise HarnessError(f"{folder / name}: sha256 {digest}, manifest says {info['sha256']}: transfer broken")
+            if digest != manifest["files"][name]["sha256"]:
+                raise HarnessError(
+                    f"{folder / name}: sha256 {digest}, manifest says {manifest['files'][name]['sha256']}: "
+                    "transfer broken"
+                )
+        if absent:
+            print(f"[stage] {folder}: not in this call: {', '.join(absent)} (stage them from another)", flush=True)
         files.atomic_write_json(GPUH / f"manifest-{part}.json", manifest)
         if part in KERNELS:
             so = GPUH / "kernels" / manifest["so"]
@@ -427,7 +438,8 @@ def cmd_stage(args) -> int:
                 raise HarnessError(f"{so}: sha256 differs from the wheel's")
             print(f"[stage] {so} ({so.stat().st_size / 1e6:.1f} MB) sha256 = the wheel's", flush=True)
         else:
-            for name in ["site.tar.xz", "models.tar.xz"] + sorted(p.name for p in folder.glob("variant-*.tar.xz")):
+            names = ["site.tar.xz", "models.tar.xz"] + sorted(p.name for p in folder.glob("variant-*.tar.xz"))
+            for name in [n for n in names if n in present]:
                 target = GPUH / name.split(".")[0]
                 shutil.rmtree(target, ignore_errors=True)
                 with tarfile.open(folder / name, "r:xz") as tar:

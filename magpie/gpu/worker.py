@@ -350,7 +350,45 @@ def check_ple(llm, cfg: dict) -> dict:
         "counts": snapshot_counts(),
         "memory": proc_memory(cfg.get("table_glob", "model-")),
     }
+    if cfg.get("profile"):
+        try:
+            result["profile"] = profile_ple(llm, cfg, prompts)
+        except Exception as exc:  # the ids and counts stand without the trace
+            result["profile_error"] = repr(exc)[:1000]
     return result
+
+
+def profile_ple(llm, cfg: dict, prompts: list[dict]) -> dict:
+    """A few engine steps under torch.profiler, recorded as vLLM's own profiler records them
+    (CPU + CUDA activity, `with_stack=True`, `record_shapes=True`): the 8- and the 158-token
+    prompt (a 128-token chunk beside the short one's prefill, the rest of the chunk beside a
+    decode, then decode steps), written gzipped to $OUT for `magpie trace-split`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    window = prompts[:2]
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg.get("profile_tokens", 8), ignore_eos=True)
+    reset_counts()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as prof:
+        outs = llm.generate(window, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    counts = snapshot_counts()
+    folder = Path(os.environ.get("OUT") or "/tmp/gpuh")  # $OUT: the call brings it back
+    path = folder / f"{cfg['name']}.pt.trace.json.gz"
+    t0 = time.perf_counter()
+    prof.export_chrome_trace(str(path))
+    return {
+        "trace": path.name,
+        "bytes": path.stat().st_size,
+        "profiled_s": round(seconds, 3),
+        "export_s": round(time.perf_counter() - t0, 1),
+        "prompt_tokens": [len(p["prompt_token_ids"]) for p in window],
+        "ids": [list(o.outputs[0].token_ids) for o in outs],
+        "counts": counts,
+    }
 
 
 def proc_memory(file_marker: str) -> dict:

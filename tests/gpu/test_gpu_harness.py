@@ -72,6 +72,53 @@ def test_stage_refuses_a_broken_transfer(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "gpuh" / "kernels" / "lib.so").exists()
 
 
+def _site_part(folder: Path, tmp_path: Path) -> Path:
+    """A site part as prepare writes it: site.tar.xz, models.tar.xz, manifest.json."""
+    for name in ("site", "models"):
+        tree = tmp_path / "src" / name
+        (tree / "inner").mkdir(parents=True)
+        (tree / "inner" / f"{name}.txt").write_text(f"the {name} tree")
+    folder.mkdir(parents=True)
+    for name in ("site", "models"):
+        harness.tar_xz(tmp_path / "src" / name, folder / f"{name}.tar.xz", name)
+    harness.write_manifest(folder, {"part": "site", "git": {"commit": "c0ffee"}})
+    return folder
+
+
+def test_a_site_part_staged_over_two_calls(tmp_path, monkeypatch, capsys):
+    """The models in one call, the vLLM tree in the next: each call unpacks what came and says
+    what did not; the staged models survive the second call."""
+    part = _site_part(tmp_path / "prepared" / "site", tmp_path)
+    monkeypatch.setattr(harness, "GPUH", tmp_path / "gpuh")
+    first = tmp_path / "call1" / "site"
+    first.mkdir(parents=True)
+    for name in ("manifest.json", "models.tar.xz"):
+        (first / name).write_bytes((part / name).read_bytes())
+    assert harness.main(["stage", str(first)]) == 0
+    assert "not in this call: site.tar.xz" in capsys.readouterr().out
+    assert (tmp_path / "gpuh" / "models" / "inner" / "models.txt").read_text() == "the models tree"
+    assert not (tmp_path / "gpuh" / "site").exists()
+    second = tmp_path / "call2" / "site"
+    second.mkdir(parents=True)
+    for name in ("manifest.json", "site.tar.xz"):
+        (second / name).write_bytes((part / name).read_bytes())
+    assert harness.main(["stage", str(second)]) == 0
+    assert "not in this call: models.tar.xz" in capsys.readouterr().out
+    assert (tmp_path / "gpuh" / "site" / "inner" / "site.txt").read_text() == "the site tree"
+    assert (tmp_path / "gpuh" / "models" / "inner" / "models.txt").exists()
+    # A broken file that did come is still refused; a folder with none of the files is refused.
+    data = bytearray((second / "site.tar.xz").read_bytes())
+    data[-30] ^= 0xFF
+    (second / "site.tar.xz").write_bytes(bytes(data))
+    assert harness.main(["stage", str(second)]) == 2
+    assert "transfer broken" in capsys.readouterr().err
+    empty = tmp_path / "call3" / "site"
+    empty.mkdir(parents=True)
+    (empty / "manifest.json").write_bytes((part / "manifest.json").read_bytes())
+    assert harness.main(["stage", str(empty)]) == 2
+    assert "not carried" in capsys.readouterr().err
+
+
 def test_chi_square_p_values_match_textbook_values():
     # chi2 survival function: 3.841 at 1 df and 18.307 at 10 df are the 5 % points.
     assert abs(proof._gamma_q(0.5, 3.841 / 2) - 0.05) < 1e-3
