@@ -68,7 +68,8 @@ PATTERNS = {
     "memguard_stopped": re.compile(r"\[memguard [^\]]*\] (?P<line>.*: stopping .*)"),
     "watchdog_on": re.compile(r"\[watchdog [^\]]*\] "),
     "watchdog_stalled": re.compile(r"\[watchdog [^\]]*\] (?P<line>stalled engine: .*)"),
-    "serve_restart": re.compile(r"^# serve\.sh: restart (?P<n>\d+) of (?P<of>\d+)"),
+    # memguard run's line (serve.sh's supervisor); serve.sh wrote "# serve.sh: restart" before.
+    "serve_restart": re.compile(r"^(?:\[memguard [^\]]*\] |# serve\.sh: )restart (?P<n>\d+) of (?P<of>\d+)"),
 }
 
 

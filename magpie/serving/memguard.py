@@ -26,8 +26,14 @@ never looks processes up by name, and it exits as soon as its server exits.
     python3 magpie memguard watch --pid 12345 --min-available 6GiB --log server.log --server-log server.log
     python3 magpie memguard run --min-available 6GiB -- ray start --address=HEAD:6379 --block
 
-`run` starts the command in a session of its own and guards it; it forwards SIGINT and SIGTERM
-to it and exits with its status.
+`run` is the supervisor of one server (serve.sh runs vLLM under it): it starts the command in a
+session of its own, writes its PID (--pid-file), guards it (or not: --no-guard), starts the
+liveness watchdog on it (--watchdog stop|restart|report), stops its process group on SIGINT or
+SIGTERM (SIGKILL after --grace), starts it again after a watchdog stop under `--watchdog restart`
+(at most --restarts times), and exits with its status:
+
+    python3 magpie memguard run --pid-file server.pid --output server.log --log server.log \
+        --server-log server.log --watchdog restart --watchdog-url http://127.0.0.1:8100 -- vllm serve ...
 
 Polling can be too slow for a start-up spike (vLLM's profiling run at start-up can wedge a GB10
 even at 0.70 GPU memory utilization). Where the kernel allows it (cgroup v2 with the memory
@@ -39,8 +45,9 @@ controller available to us), `exec` starts a command under a hard memory limit i
 a GB10 escape it, so it complements the guard and does not replace it.)
 
 Exit codes of `watch`: 0 the server exited by itself; 3 the guard stopped it; 2 usage error
-(no such process, the PID is the guard's own process group). `run`: the command's exit status,
-or 3 when the guard stopped it.
+(no such process, the PID is the guard's own process group). `run`: the command's exit status
+(128 + N for a signal N), 3 when the guard stopped it, 4 when the watchdog stopped it (and no
+restart was left), 2 when it could not be started.
 `exec` replaces itself with the command; it exits 2 without running anything when no hard
 limit can be set (the message says why).
 """
@@ -49,18 +56,21 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
-from magpie import cli
+from magpie import cli, files, tool_command
 
 # Lines of the NVIDIA driver, the CUDA runtime and PyTorch that report the GPU side running out of
 # memory, or the driver reporting a fault (Xid).
@@ -537,6 +547,149 @@ class Guard:
             time.sleep(self.interval)
 
 
+# --------------------------------------------------------------------------------------------
+# Supervision: `run`
+
+
+class Supervisor:
+    """`run`: the one supervisor of a server (serve.sh's, a Ray node's). It starts the command in a
+    session of its own (so its PID leads the group vLLM forks its engine core and workers into),
+    writes that PID to --pid-file, guards it in this process (unless --no-guard), starts the
+    liveness watchdog on it in a process of its own (--watchdog: an HTTP call that hangs must not
+    hold the guard), stops the group on SIGINT/SIGTERM (SIGKILL after --grace), and under
+    `--watchdog restart` starts the command again after a watchdog stop, at most --restarts times."""
+
+    def __init__(self, args: argparse.Namespace, cmd: list[str], log) -> None:
+        self.args = args
+        self.cmd = cmd
+        self.log_file = log
+        self.child: subprocess.Popen | None = None
+        self.stopping = False
+        self.killer: threading.Timer | None = None
+
+    def log(self, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        print(f"[memguard {stamp}] {message}", file=self.log_file, flush=True)
+
+    def say(self, message: str) -> None:
+        print(f"memguard run: {message}", file=sys.stderr, flush=True)
+
+    def on_signal(self, signum: int, _frame) -> None:
+        self.stopping = True  # no restart after a stop that was asked for
+        child = self.child
+        if child is None or child.poll() is not None:
+            return
+        for number in (signum, signal.SIGCONT):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, number)
+        if self.killer is None:
+            # vLLM can hang in its own shutdown (seen when a stop came while the engine was
+            # starting): a stop must end, so the group gets SIGKILL once the grace time has passed.
+            self.killer = threading.Timer(self.args.grace, self.kill_late, (child,))
+            self.killer.daemon = True
+            self.killer.start()
+
+    def kill_late(self, child: subprocess.Popen) -> None:
+        if child.poll() is None:
+            self.log(f"server PID {child.pid} still running {self.args.grace:g} s after SIGTERM: SIGKILL to its group")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+
+    def start(self) -> subprocess.Popen:
+        out = open(self.args.output, "ab") if self.args.output else None  # noqa: SIM115 (the child's)
+        try:
+            child = subprocess.Popen(
+                self.cmd,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL if out else None,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+            )
+        finally:
+            if out:
+                out.close()
+        if self.args.pid_file:
+            files.atomic_write_text(self.args.pid_file, f"{child.pid}\n")
+        where = f", PID file {self.args.pid_file}" if self.args.pid_file else ""
+        self.say(f"server PID {child.pid}{where}" + (f", output {self.args.output}" if self.args.output else ""))
+        return child
+
+    def watchdog(self, pid: int) -> subprocess.Popen | None:
+        if self.args.watchdog == "off":
+            return None
+        policy = "report" if self.args.watchdog == "report" else "stop"
+        cmd = tool_command(sys.executable, "magpie.serving.watchdog", "watch", "--pid", str(pid))
+        cmd += ["--url", self.args.watchdog_url, "--on-stall", policy, "--grace", f"{self.args.grace:g}"]
+        cmd += (["--log", self.args.log] if self.args.log else []) + shlex.split(self.args.watchdog_args)
+        return subprocess.Popen(cmd)
+
+    def once(self) -> tuple[int, int, int]:
+        """One start of the command: its status, the guard's and the watchdog's."""
+        child = self.child = self.start()
+        guard_status: list[int] = []
+        guard_thread = guard = None
+        if not self.args.no_guard:
+            try:
+                guard = Guard(
+                    child.pid, self.args.min_available, self.args.grace, self.args.interval, self.log_file, self.args
+                )
+            except ProcessLookupError:  # it has already ended (and been reaped)
+                guard = None
+        if guard is not None:
+            guard_thread = threading.Thread(target=lambda: guard_status.append(guard.run()), daemon=True)
+            guard_thread.start()
+        watchdog = self.watchdog(child.pid)
+        while True:
+            try:
+                status = child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)  # workers the server forked, if any outlived it
+        if guard_thread is not None:
+            guard_thread.join()
+        watchdog_status = watchdog.wait() if watchdog is not None else 0
+        return (status if status >= 0 else 128 - status), (guard_status or [0])[0], watchdog_status
+
+    def run(self) -> int:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.on_signal)
+        restarts = 0
+        try:
+            while True:
+                try:
+                    status, guard_status, watchdog_status = self.once()
+                except OSError as e:
+                    self.say(f"error: cannot run {self.cmd[0]}: {e.strerror}")
+                    return 2
+                where = f"; its reason is in {self.args.log}" if self.args.log else ""
+                if guard_status == 3:
+                    self.say(f"the memory guard stopped the server{where} ([memguard] lines)")
+                    return 3
+                if watchdog_status == 4:
+                    self.say(f"the watchdog stopped a stalled server{where} ([watchdog] lines)")
+                    if self.args.watchdog == "restart" and restarts < self.args.restarts and not self.stopping:
+                        restarts += 1
+                        self.log(f"restart {restarts} of {self.args.restarts} after a stall")
+                        continue
+                    return 4
+                if status != 0 and not self.stopping:
+                    self.say(f"the server exited with status {status}")
+                    if self.args.output:
+                        with open(self.args.output, errors="replace") as f:
+                            tail = collections.deque(f, 20)
+                        sys.stderr.write(f"last lines of {self.args.output}:\n" + "".join(tail))
+                return status
+        finally:
+            if self.killer is not None:
+                self.killer.cancel()
+            if self.args.pid_file and self.child is not None:
+                with contextlib.suppress(OSError):
+                    if open(self.args.pid_file).read().strip() == str(self.child.pid):
+                        os.unlink(self.args.pid_file)
+
+
 def add_watch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server-log", help="scan this file for driver out-of-memory errors (serve.sh: the server log)"
@@ -661,6 +814,21 @@ def main(argv: list[str] | None = None) -> int:
         sub_parser.add_argument("--interval", type=float, default=0.5, help="seconds between two readings")
         sub_parser.add_argument("--log", help="append messages to this file (default: stderr)")
         add_watch_options(sub_parser)
+    p_run.add_argument("--pid-file", help="write the command's PID here (removed when it ends, if still ours)")
+    p_run.add_argument("--output", help="append the command's stdout and stderr to this file (default: ours)")
+    p_run.add_argument("--no-guard", action="store_true", help="supervise only: no memory checks")
+    p_run.add_argument(
+        "--watchdog",
+        choices=("off", "stop", "restart", "report"),
+        default="off",
+        help="the liveness watchdog on the command (magpie watchdog) and its policy; restart = stop, then "
+        "start the command again",
+    )
+    p_run.add_argument("--watchdog-url", default="http://127.0.0.1:8100", help="the server the watchdog reads")
+    p_run.add_argument(
+        "--watchdog-args", default="", help="more `watchdog watch` options, one string (--watchdog-args='--interval 2')"
+    )
+    p_run.add_argument("--restarts", type=int, default=3, help="at most this many restarts under --watchdog restart")
     p_run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command and its arguments")
     p_exec = sub.add_parser("exec", help="run a command under a cgroup v2 hard memory limit")
     p_exec.add_argument("--max", type=parse_size, required=True, help="memory.max of the new cgroup, e.g. 110GiB")
@@ -691,17 +859,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not cmd:
             parser.error("run: give the command after --")
-        try:
-            child = subprocess.Popen(cmd, start_new_session=True)
-        except OSError as e:
-            print(f"memguard: error: cannot run {cmd[0]}: {e.strerror}", file=sys.stderr)
-            return 2
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda number, _frame: os.killpg(child.pid, number))
-        guard = Guard(child.pid, args.min_available, args.grace, args.interval, log, args)
-        stopped = guard.run() == 3
-        status = child.wait()
-        return 3 if stopped else (status if status >= 0 else 128 - status)
+        return Supervisor(args, cmd, log).run()
     try:
         guard = Guard(args.pid, args.min_available, args.grace, args.interval, log, args)
     except (ProcessLookupError, PermissionError) as e:

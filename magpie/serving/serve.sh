@@ -26,9 +26,9 @@
 #   SERVED_MODEL_NAME TOOL_CALL_PARSER REASONING_PARSER   a name, or `none` to drop the profile's
 #   GB10_ENV=auto           allocator and JIT-job settings for a GB10: auto (a GB10 or a gb10 profile), 1, 0
 #   JIT_JOBS=4              MAX_JOBS for FlashInfer's JIT build (ninja -j) under GB10_ENV
-#   MEMGUARD=1              run memguard.py watch on the server; 0 = no guard
+#   MEMGUARD=1              guard the server (memguard run, its supervisor); 0 = supervise only, no guard
 #   MEMGUARD_MIN_AVAILABLE=6GiB   the guard stops the server under this MemAvailable
-#   MEMGUARD_ARGS=          more `memguard.py watch` options (PSI, swap, driver errors: see its --help)
+#   MEMGUARD_ARGS=          more memory-guard options of `memguard run` (PSI, swap, driver errors: its --help)
 #   MEM_HARD_LIMIT=         cgroup v2 hard memory limit for the server, e.g. 110GiB (empty: none)
 #   WATCHDOG=stop           liveness watchdog: stop (a stalled server), restart (stop, then launch again),
 #                           report (log only), 0 (none)
@@ -43,10 +43,14 @@
 # Extra arguments go to `vllm serve` last, so they override the profile and the variables above.
 # Two GB10s, tensor parallel over Ray: docs/serving.md has the recipe.
 #
-# serve.sh stays in the foreground until the server exits and returns its exit status; SIGINT or
-# SIGTERM stops the server's process group (SIGKILL after STOP_GRACE seconds if it is still there). The top of LOG records the exact command, the profile,
-# the environment, the versions and the patch status; LOG.launch.json holds the same as data (the run manifest).
-# The logic lives in launch.py (plan, exec), memguard.py and watchdog.py; this script wires them.
+# serve.sh stays in the foreground until the server exits. Its exit status is the server's
+# (128 + N after signal N), 3 when the memory guard stopped it, 4 when the watchdog stopped it and
+# no restart was left, 1 for a refused start. SIGINT or SIGTERM stops the server's process group
+# (SIGKILL after STOP_GRACE seconds if it is still there). The top of LOG records the exact
+# command, the profile, the environment, the versions and the patch status; LOG.launch.json holds
+# the same as data (the run manifest).
+# The logic lives in launch.py (plan, exec), memguard.py (`run`: the supervisor) and watchdog.py;
+# this script wires them.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -92,7 +96,6 @@ STOP_GRACE=${STOP_GRACE:-30}
 [[ $WATCHDOG_RESTARTS =~ ^[0-9]+$ ]] || die "WATCHDOG_RESTARTS=$WATCHDOG_RESTARTS: expected a number"
 [[ $STOP_GRACE =~ ^[0-9]+$ ]] || die "STOP_GRACE=$STOP_GRACE: expected a number of seconds"
 read -r -a memguard_args <<<"$MEMGUARD_ARGS"
-read -r -a watchdog_args <<<"$WATCHDOG_ARGS"
 
 # ---- the vLLM environment
 if [ -n "${VLLM_PYTHON:-}" ]; then
@@ -123,84 +126,35 @@ workdir=$("$python" "$pkg" launch plan --log "$log" --host "$HOST" --port "$PORT
   --mem-hard-limit "$MEM_HARD_LIMIT" --workdir "${WORKDIR:-}" -- "$@") || exit 1
 plan="$log.launch.json"
 
-server_pid=
-killer_pid=
+# ---- supervision: memguard run starts the server in its own session (its PID leads the group vLLM
+# forks into), writes PID_FILE, guards it (MEMGUARD=0: --no-guard, the same path), starts the
+# watchdog on it, restarts it under WATCHDOG=restart, and stops its group on SIGTERM (SIGKILL
+# after STOP_GRACE).
+sup=(--pid-file "$PID_FILE" --output "$log" --log "$log" --grace "$STOP_GRACE")
+if [ "$MEMGUARD" = 1 ]; then
+  sup+=(--min-available "$MEMGUARD_MIN_AVAILABLE" --server-log "$log" "${memguard_args[@]}")
+else
+  sup+=(--no-guard)
+fi
+if [ "$WATCHDOG" != 0 ]; then
+  sup+=(--watchdog "$WATCHDOG" --watchdog-url "http://$HOST:$PORT" --restarts "$WATCHDOG_RESTARTS")
+  sup+=("--watchdog-args=$WATCHDOG_ARGS")
+fi
+echo "serve.sh: serving on http://$HOST:$PORT, log $log, PID file $PID_FILE" >&2
+supervisor_pid=
 # shellcheck disable=SC2317,SC2329  # called by the trap only
 stop_server() {
-  WATCHDOG_RESTARTS=0
-  [ -n "$server_pid" ] || return 0
-  kill -TERM -- "-$server_pid" 2>/dev/null || return 0
-  # vLLM can hang in its own shutdown (seen when a stop came while the engine was starting):
-  # a stop must end, so the group gets SIGKILL once the grace time has passed.
-  if [ -z "$killer_pid" ]; then
-    (
-      sleep "$STOP_GRACE"
-      if kill -0 -- "-$server_pid" 2>/dev/null; then
-        echo "# serve.sh: the server was still running ${STOP_GRACE} s after SIGTERM; SIGKILL to its group, $(date -Is)" >>"$log"
-        kill -KILL -- "-$server_pid" 2>/dev/null || true
-      fi
-    ) &
-    killer_pid=$!
-  fi
-  return 0
+  [ -z "$supervisor_pid" ] || kill -TERM "$supervisor_pid" 2>/dev/null || true
 }
 trap stop_server INT TERM
-
-restarts=0
-while :; do
-  # Its own session and process group: the guard and a stop reach the engine core and its workers.
-  setsid "$python" "$pkg" launch exec "$plan" >>"$log" 2>&1 </dev/null &
-  server_pid=$!
-  echo "$server_pid" >"$PID_FILE"
-  echo "serve.sh: server PID $server_pid on http://$HOST:$PORT, log $log, PID file $PID_FILE" >&2
-
-  guard_pid=
-  if [ "$MEMGUARD" = 1 ]; then
-    "$python" "$pkg" memguard watch --pid "$server_pid" --min-available "$MEMGUARD_MIN_AVAILABLE" --log "$log" \
-      --server-log "$log" "${memguard_args[@]}" &
-    guard_pid=$!
-  fi
-  watchdog_pid=
-  if [ "$WATCHDOG" != 0 ]; then
-    policy=$WATCHDOG
-    [ "$policy" = restart ] && policy=stop
-    "$python" "$pkg" watchdog watch --pid "$server_pid" --url "http://$HOST:$PORT" --on-stall "$policy" \
-      --log "$log" "${watchdog_args[@]}" &
-    watchdog_pid=$!
-  fi
-
+"$python" "$pkg" memguard run "${sup[@]}" -- "$python" "$pkg" launch exec "$plan" &
+supervisor_pid=$!
+status=0
+wait "$supervisor_pid" || status=$?
+while kill -0 "$supervisor_pid" 2>/dev/null; do # a signal interrupted `wait`; the server is stopping
   status=0
-  wait "$server_pid" || status=$?
-  while kill -0 "$server_pid" 2>/dev/null; do # a signal interrupted `wait`; the server is stopping
-    status=0
-    wait "$server_pid" || status=$?
-  done
-  # Workers the server forked into its group, if any outlived it.
-  kill -TERM -- "-$server_pid" 2>/dev/null || true
-  guard_status=0
-  [ -z "$guard_pid" ] || wait "$guard_pid" || guard_status=$?
-  watchdog_status=0
-  [ -z "$watchdog_pid" ] || wait "$watchdog_pid" || watchdog_status=$?
-
-  if [ "$guard_status" = 3 ]; then
-    echo "serve.sh: the memory guard stopped the server; its reason is in $log ([memguard] lines)" >&2
-  elif [ "$watchdog_status" = 4 ]; then
-    echo "serve.sh: the watchdog stopped a stalled server; its reason is in $log ([watchdog] lines)" >&2
-    if [ "$WATCHDOG" = restart ] && [ "$restarts" -lt "$WATCHDOG_RESTARTS" ]; then
-      restarts=$((restarts + 1))
-      echo "# serve.sh: restart $restarts of $WATCHDOG_RESTARTS after a stall, $(date -Is)" >>"$log"
-      continue
-    fi
-  elif [ "$status" != 0 ]; then
-    echo "serve.sh: the server exited with status $status; last lines of $log:" >&2
-    tail -n 20 "$log" >&2
-  fi
-  break
+  wait "$supervisor_pid" || status=$?
 done
-[ -z "$killer_pid" ] || kill "$killer_pid" 2>/dev/null || true
-if [ "$(cat "$PID_FILE" 2>/dev/null)" = "$server_pid" ]; then
-  rm -f "$PID_FILE"
-fi
 # The working directory serve.sh made for the server, if the server left nothing in it.
 [ -n "${WORKDIR:-}" ] || rmdir "$workdir" 2>/dev/null || true
 exit "$status"

@@ -278,7 +278,7 @@ def test_a_vllm_folder_where_you_stand_does_not_shadow_the_installed_vllm(tmp_pa
 
 
 # --------------------------------------------------------------------------------------------
-# The run manifest, and no Python process between serve.sh and vLLM but launch's own
+# The run manifest, and no Python process before vLLM but launch plan and the supervisor (memguard run)
 
 # The log header as magpie/measure/log_check.py read it before the manifest existed (its two
 # regular expressions, copied here as the oracle the manifest's reader must agree with).
@@ -433,7 +433,9 @@ with open(os.environ["PY_STARTS"], "a") as f:
 """
 
 
-def test_serve_sh_starts_no_python_before_vllm_but_launch_plan_and_exec(tmp_path, tiny_mtp_model, patched_vllm):
+def test_serve_sh_starts_no_python_before_vllm_but_launch_plan_and_the_supervisor(
+    tmp_path, tiny_mtp_model, patched_vllm
+):
     # Every check that needs one: PLE=1 and a keep-set (two required patches, their status, the
     # keep-set's validation), the versions and the whole patch table for the header.
     keep, _ = _keep_set(tmp_path, tiny_mtp_model)
@@ -448,7 +450,7 @@ def test_serve_sh_starts_no_python_before_vllm_but_launch_plan_and_exec(tmp_path
     wrapper.write_text(
         "#!/bin/sh\n"
         f'echo "$*" >> "{tmp_path / "wrapper-calls.log"}"\n'
-        'case "$*" in *" launch exec "*) exit 0 ;; esac\n'
+        '[ "$2 $3" != "launch exec" ] || exit 0\n'  # not `memguard run ... -- python magpie launch exec`
         f'exec "{PYTHON}" "$@"\n'
     )
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
@@ -471,10 +473,13 @@ def test_serve_sh_starts_no_python_before_vllm_but_launch_plan_and_exec(tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "wrapper-calls.log").read_text().splitlines()
-    assert [c.split()[1:3] for c in calls] == [["launch", "plan"], ["launch", "exec"]], calls
-    # The one interpreter that started: `launch plan` (exec stopped in the wrapper), nothing it spawned.
+    assert [c.split()[1:3] for c in calls] == [["launch", "plan"], ["memguard", "run"], ["launch", "exec"]], calls
+    # Two interpreters started: `launch plan`, and `memguard run` (the supervisor, beside vLLM for
+    # the server's whole life: MEMGUARD=0 and WATCHDOG=0 take the same path, with no guard and no
+    # watchdog); `launch exec` stopped in the wrapper where it would become vLLM.
     started = starts.read_text().splitlines()
-    assert len(started) == 1 and " launch plan " in started[0], started
+    assert len(started) == 2 and " launch plan " in started[0] and " memguard run " in started[1], started
+    assert " --no-guard " in started[1] and " --watchdog " not in started[1], started
     record = manifest.load(log)
     assert set(manifest.patch_states(record).values()) == {"applied"}
     assert record["checks"]["keep_set"]["path"] == str(keep)

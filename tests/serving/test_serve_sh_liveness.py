@@ -1,8 +1,9 @@
 """serve.sh's wiring of the watchdog: WATCHDOG=restart against a real vLLM CPU server made to stall.
 
-serve.sh starts the server, the memory guard and the watchdog; the engine core is stopped with
-SIGSTOP; the watchdog's probe times out, it stops the server's process group, and serve.sh
-launches the same plan again (a second start-up of about two minutes on two cores).
+serve.sh runs the server under `memguard run` (the supervisor: guard in-process, the watchdog
+beside it); the engine core is stopped with SIGSTOP; the watchdog's probe times out, it stops the
+server's process group, and the supervisor launches the same plan again (a second start-up of
+about two minutes on two cores).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def test_serve_sh_restarts_a_stalled_server_under_watchdog_restart(tmp_path, tin
             lambda: f"stopping process group {first}" in server.log_path.read_text(), 90, "the stop", server.log_tail
         )
         detected_s = time.monotonic() - stalled_at
-        wait_until(lambda: "# serve.sh: restart 1 of 1 after a stall" in server.log_path.read_text(), 60, "restart")
+        restart = re.compile(r"^\[memguard [^\]]*\] restart 1 of 1 after a stall$", re.M)  # memguard run's line
+        wait_until(lambda: restart.search(server.log_path.read_text()), 60, "restart")
         wait_until(lambda: server.pid_file.exists() and server.server_pid != first, 60, "a new server PID")
         second = server.server_pid
         wait_until(lambda: healthy(server.url), 600, "the restarted server's /health", server.log_tail)

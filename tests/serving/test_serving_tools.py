@@ -200,20 +200,27 @@ def test_serve_sh_binds_loopback_and_writes_the_server_pid(mtp_server):
     assert not any(port == mtp_server.port and set(address) == {"0"} for address, port in listening)
 
 
-def test_serve_sh_starts_the_memory_guard_on_its_server(mtp_server):
+def test_serve_sh_supervises_its_server_through_memguard_run(mtp_server):
     pid = mtp_server.server_pid
     assert re.search(
         rf"\[memguard [^\]]*\] guarding server PID {pid} \(process group {pid}\)", mtp_server.log_path.read_text()
     )
-    guards = [
+    # The server's parent is the supervisor, `memguard run` (the guard runs in it), and serve.sh
+    # is the supervisor's parent; no separate `memguard watch` process.
+    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    argv = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    assert argv[1:4] == [str(PACKAGE).encode(), b"memguard", b"run"], argv
+    assert argv[argv.index(b"--pid-file") + 1] == str(mtp_server.pid_file).encode()
+    grandparent = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert grandparent == mtp_server.pid  # serve.sh
+    watchers = [
         p
         for p in os.listdir("/proc")
         if p.isdigit()
         and os.path.exists(f"/proc/{p}/cmdline")
-        and Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:6]
-        == [str(PACKAGE).encode(), b"memguard", b"watch", b"--pid", str(pid).encode()]
+        and b"memguard\0watch" in Path(f"/proc/{p}/cmdline").read_bytes()
     ]
-    assert len(guards) == 1
+    assert watchers == []
 
 
 # --------------------------------------------------------------------------------------------
