@@ -9,8 +9,8 @@ reads what the server itself printed and reports, with the line that proves it:
 - the MTP draft head: pruned to a keep-set (both lines the mtp_pruning patch prints: the head
   built with K rows, then still in place after vLLM decided lm_head sharing), or the full
   vocabulary shared with the target;
-- ple_mmap (n-gram table on disk): asked for through --hf-overrides, and whether the ple_ssd
-  patch acknowledged it;
+- ple_mmap (n-gram table on disk): asked for (--hf-overrides on 0.29, --engram-config on 0.33),
+  and whether the ple_ssd patch acknowledged it;
 - the CUDA-graph mode vLLM settled on (FULL_AND_PIECEWISE, PIECEWISE, NONE, ...), and eager mode;
 - prefix caching; the memory guard; the patch status serve.sh wrote at the top of the log;
 - the memory figures vLLM logged (weights, KV cache) and whether start-up completed.
@@ -202,7 +202,9 @@ def check(lines: list[str], patches_dir: str | None = None) -> dict:
             "rows": rows,
             "evidence": [evidence(n) for n in (asked_number, hook_number, active_number, staging_number) if n],
         }
-    elif asked is not None and asked.group("on") == "True":
+    elif (asked is not None and asked.group("on") == "True") or hook_number:
+        # Asked through 0.29's hf-override, or the patch's hook line: on 0.29 the patch's own, on
+        # 0.33 the resolved Engram configuration with offload_storage='mmap' (--engram-config).
         features["ple_mmap"] = {
             "state": "requested, not confirmed",
             "evidence": [evidence(n) for n in (asked_number, hook_number) if n],

@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:10} {run['median_decode_tok_per_s'] or 0:>13.2f} {run['aggregate_tok_per_s']:>16.2f} "
             f"{(rate or 0) * 100:>10.1f}% {length or 0:>6.2f}"
         )
-    print(f"decode speed-up {speedup:.2f}x; identical outputs: {'yes' if identical else 'NO'}")
+    shown = f"{speedup:.2f}x" if speedup is not None else "not measured (no decode interval)"
+    print(f"decode speed-up {shown}; identical outputs: {'yes' if identical else 'NO'}")
     for line in summary["pruned"]["log_lines"]:
         print(f"  pruned log: {line}")
     return 0 if identical else 1

@@ -658,6 +658,8 @@ class Supervisor:
         restarts = 0
         try:
             while True:
+                if self.stopping:  # a stop came before the (first or next) start
+                    return 128 + signal.SIGTERM
                 try:
                     status, guard_status, watchdog_status = self.once()
                 except OSError as e:

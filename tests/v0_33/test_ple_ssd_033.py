@@ -532,6 +532,14 @@ def test_config_activation_refusals_and_the_default_hash(trees, checkpoints, tmp
     }
     for case, words in expect.items():
         assert words in patched[case].get("error", ""), (case, patched[case])
+    # log_check sees the request in the line 0.33 prints of the resolved configuration (the patched
+    # config's own str()): requested, not confirmed until a table line of the patch follows.
+    from magpie.measure import log_check
+
+    engine = "INFO [core.py:100] Initializing a V1 LLM engine (v0.33.0) with config: model='/m'"
+    for engram, state in ((patched["mmap"]["engram"], "requested, not confirmed"), (stock["default"]["engram"], "off")):
+        lines = [engine, f"INFO [vllm.py:1490] Resolved Engram configuration: {engram}"]
+        assert log_check.check(lines)["features"]["ple_mmap"]["state"] == state, engram
 
 
 def test_ats_detection_is_none_on_this_cpu_and_the_decision_needs_cuda_and_host_page_tables(trees, tmp_path):

@@ -1,0 +1,84 @@
+"""bench-pruned (magpie/mtp_pruning/bench_pruned_vs_unpruned.py) end to end: two real vLLM CPU
+servers of the tiny "increment" model, one after the other, on the overlay with mtp_pruning
+applied; the pruned one with the even ids as keep-set, so its drafts differ measurably.
+
+The oracles are the model's own definition (greedy: next id = previous + 1, so every record's ids
+follow from its prompt's last id), the records of the two servers compared here, and the draft
+arithmetic of the even keep-set (after an odd id the draft is even and kept, the next one odd and
+never kept: position 1 is never accepted).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from magpie.demo.overlay import vllm_env
+from magpie.mtp_pruning import bench_pruned_vs_unpruned as bench
+from tests.serving.helpers import tool
+
+pytestmark = pytest.mark.slow
+
+K = 2  # draft tokens per step
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory, tiny_mtp_model, pruning_overlay):
+    folder = tmp_path_factory.mktemp("bench-pruned")
+    vocab = json.loads((tiny_mtp_model / "config.json").read_text())
+    vocab = (vocab.get("text_config") or {}).get("vocab_size") or vocab["vocab_size"]
+    keep = folder / "even.npy"
+    np.save(keep, np.arange(0, vocab, 2, dtype=np.int64))
+    output = folder / "bench.json"
+    cmd = [*tool("bench-pruned"), "--model", str(tiny_mtp_model), "--keepset", str(keep)]
+    cmd += ["--num-speculative-tokens", str(K), "-n", "3", "--max-tokens", str(MAX_TOKENS)]
+    cmd += ["--server-arg=--no-enable-prefix-caching", "--server-arg=--max-model-len=512"]
+    cmd += ["--startup-timeout", "600", "--log-dir", str(folder / "logs"), "--output", str(output)]
+    proc = subprocess.run(cmd, env=vllm_env(pruning_overlay), capture_output=True, text=True, timeout=1500, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    result = json.loads(output.read_text())
+    return {"proc": proc, "cmd": cmd, "result": result, "output": output, "vocab": vocab, "keep": keep}
+
+
+def test_both_servers_generate_the_increment_models_greedy_text(bench_run, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    records = bench_run["result"]["records"]
+    assert len(records["unpruned"]) == len(records["pruned"]) == 3
+    for unpruned, pruned in zip(records["unpruned"], records["pruned"], strict=True):
+        last = tokenizer(unpruned["prompt"], add_special_tokens=False)["input_ids"][-1]
+        assert unpruned["token_ids"] == [last + i for i in range(1, MAX_TOKENS + 1)]
+        assert pruned["token_ids"] == unpruned["token_ids"] and pruned["tokens"] == MAX_TOKENS
+    assert bench_run["result"]["identical_outputs"] is True
+    assert [r["prompt"] for r in records["pruned"]] == bench.PROMPTS[:3]
+
+
+def test_acceptance_shows_the_keep_set(bench_run):
+    summary = bench_run["result"]["summary"]
+    unpruned, pruned = summary["unpruned"], summary["pruned"]
+    # Unpruned, the draft is the target's next ids: (nearly) every draft token accepted, L = K + 1.
+    assert unpruned["acceptance_rate"] > 0.9 and unpruned["acceptance_length"] > K + 0.8
+    # Even ids kept: at most position 0 of each draft can be accepted, so at most half the tokens.
+    counters = pruned["spec_counters"]
+    assert counters["draft_tokens"] == K * counters["drafts"] > 0
+    assert pruned["acceptance_rate"] <= 0.5 + 1e-9 and pruned["acceptance_length"] <= 2.0 + 1e-9
+    assert pruned["acceptance_rate"] == pytest.approx(counters["accepted"] / counters["draft_tokens"])
+    # The patch says it is active, with this keep-set, in the pruned server's log only.
+    vocab, keep = bench_run["vocab"], bench_run["keep"]
+    assert not unpruned["log_lines"]
+    assert any(f"MTP draft vocab pruned: {(vocab + 1) // 2} of {vocab} ids" in line for line in pruned["log_lines"])
+    assert all(str(keep) in line for line in pruned["log_lines"] if "vocab pruned:" in line)
+
+
+def test_the_table_and_the_output_policy(bench_run):
+    out = bench_run["proc"].stdout
+    assert "unpruned" in out and "pruned" in out and "identical outputs: yes" in out
+    # An existing --output is never replaced without --force (refused before any server starts).
+    again = subprocess.run(bench_run["cmd"], capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 1 and f"error: {bench_run['output']} exists; pass --force" in again.stderr
+    assert json.loads(bench_run["output"].read_text()) == bench_run["result"]
