@@ -10,8 +10,6 @@
   coreutils,
   gnused,
   procps,
-  util-linux,
-  hostname-debian,
   ninja,
   gcc14,
   python,
@@ -31,8 +29,9 @@ in
 writeShellApplication {
   name = name + releaseSuffix;
   # What the scripts call comes from these inputs, first on PATH: bash and coreutils
-  # everywhere; sed (usage text), setsid and hostname (serve.sh), procps (ps/kill); nvcc, the
-  # host compiler and ninja for FlashInfer's JIT. The host's PATH follows only for apps that
+  # everywhere; sed (usage text), procps (ps/kill); nvcc, the host compiler and ninja for
+  # FlashInfer's JIT (serve.sh's server runs in its own session through memguard run, a
+  # Python, not setsid). The host's PATH follows only for apps that
   # call the host driver's nvidia-smi (appTable hostTools).
   inheritPath = app.hostTools;
   runtimeInputs = [
@@ -42,8 +41,6 @@ writeShellApplication {
     procps
   ]
   ++ lib.optionals app.gpu [
-    util-linux
-    hostname-debian
     ninja
     gcc14
     cudaHome
