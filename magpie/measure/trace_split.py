@@ -19,12 +19,18 @@ engine step and is reported as such.
 How steps are found (first that matches):
 1. EngineCore `_process_engine_step` calls (the worker runs in the engine-core process:
    one GPU, the uniprocess executor): a step runs from one call's start to the next one's.
-2. The per-iteration annotations the worker's profiler adds (`execute_context_...` or, with
+2. EngineCore `step` / `step_with_batch_queue` calls without `_process_engine_step` around
+   them: the engine runs inside the caller's process (`vllm.LLM` with
+   `VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the GPU harness runs it), so there is no busy loop;
+   the LLM engine's output processing (detokenizing, the front-end's work in a server) runs
+   in the same thread between the calls and counts as "other".
+3. The per-iteration annotations the worker's profiler adds (`execute_context_...` or, with
    `detailed_trace_annotation`, `execute_<n>_context_...`): the worker runs in its own process
    (multiprocess executor: tensor parallel, or vLLM's CPU build). The scheduler then runs in
    the engine-core process, which the torch profiler does not record: the split says so.
-Steps more than 10 times longer than the median (the server idling between requests) are
-listed but left out of the summary.
+Steps more than 10 times longer than the median (the server idling between requests, or a
+step that JIT-compiles a kernel: each step reports `jit_compile_ms`, the time in Triton's
+`_do_compile`) are listed but left out of the summary, and a note names them.
 
 Also per step: the PLE staging time on the host (ple_ssd's `ple_mmap.py` `stage` / `lookup`
 calls: the patches add no profiler range, so their Python function events are the marks), and,
@@ -61,6 +67,7 @@ SCHEMA = "flash-next/trace-split/1"
 
 # Step anchors (see the docstring).
 ENGINE_STEP_RE = re.compile(r"vllm/v1/engine/core\.py\(\d+\): _process_engine_step$")
+INPROC_STEP_RE = re.compile(r"vllm/v1/engine/core\.py\(\d+\): (step|step_with_batch_queue)$")
 ITERATION_ANNOTATION_RE = re.compile(r"^execute_(\d+_)?context_")
 
 # Role of a Python function event, first match wins; the union of a role's intervals inside a step
@@ -71,8 +78,10 @@ ROLES: list[tuple[str, re.Pattern]] = [
         re.compile(
             r"vllm/v1/(worker/[\w/]+|executor/\w+)\.py\(\d+\): "
             r"(execute_model|sample_tokens|take_draft_token_ids|_execute_worker_rpc)$"
-            # The engine core waiting for a worker's result is worker time from the step's view.
+            # The engine core waiting for a worker's result is worker time from the step's view
+            # (the uniprocess executor's AsyncOutputFuture.result waits for the async output copy).
             r"|concurrent/futures/_base\.py\(\d+\): result$"
+            r"|vllm/v1/executor/\w+\.py\(\d+\): result$"
         ),
     ),
     (
@@ -123,6 +132,8 @@ LOGITS_RE = re.compile(r"vllm/model_executor/layers/logits_processor\.py\(\d+\):
 # ranges of its own, so its Python functions are the marks: `stage` (0002, before the forward) and
 # `lookup` (0001 alone, inside the forward's custom op).
 PLE_STAGING_RE = re.compile(r"vllm/models/qwen4_exp/ple_mmap\.py\(\d+\): (stage|lookup)$")
+# A Triton kernel compiled on its first launch with new specializations (inside a step).
+JIT_COMPILE_RE = re.compile(r"triton/runtime/jit\.py\(\d+\): _do_compile$")
 TOP_KERNELS = 15
 
 KERNEL_CATEGORIES = {"kernel"}
@@ -244,6 +255,7 @@ class Collected:
     def __init__(self):
         self.process_names: dict = {}
         self.engine_steps: list[tuple] = []  # (pid, tid, ts, dur)
+        self.inproc_steps: list[tuple] = []
         self.annotations: list[tuple] = []
         self.role_events: dict[str, list[tuple]] = {role: [] for role, _ in ROLES}  # (pid, tid, ts, end)
         self.kernel_ts = array("d")
@@ -255,6 +267,7 @@ class Collected:
         self.launch_context: dict[int, tuple] = {}  # correlation -> (pid, tid, ts) of the host launch
         self.logits_events: list[tuple] = []  # (pid, tid, ts, end) of the logits processor
         self.ple_events: list[tuple] = []
+        self.jit_events: list[tuple] = []
         self.memory_ms = 0.0
         self.launch_ts: dict = {}  # pid -> array of kernel-launch timestamps
         self.graph_ts: dict = {}
@@ -291,10 +304,15 @@ def collect(path: str) -> Collected:
             if ENGINE_STEP_RE.search(name):
                 data.engine_steps.append((event.get("pid"), event.get("tid"), ts, dur))
                 continue
+            if INPROC_STEP_RE.search(name):
+                data.inproc_steps.append((event.get("pid"), event.get("tid"), ts, dur))
+                continue
             if LOGITS_RE.search(name):
                 data.logits_events.append((event.get("pid"), event.get("tid"), ts, ts + dur))
             if PLE_STAGING_RE.search(name):
                 data.ple_events.append((event.get("pid"), event.get("tid"), ts, ts + dur))
+            if JIT_COMPILE_RE.search(name):
+                data.jit_events.append((ts, ts + dur))
             for role, regex in ROLES:
                 if regex.search(name):
                     data.role_events[role].append((event.get("pid"), event.get("tid"), ts, ts + dur))
@@ -407,6 +425,13 @@ def split(path: str) -> dict:
         )
     if data.engine_steps:
         anchors, result["anchor"] = data.engine_steps, "engine-core _process_engine_step"
+    elif data.inproc_steps:
+        anchors, result["anchor"] = data.inproc_steps, "in-process engine-core step (EngineCore.step*)"
+        result["notes"].append(
+            "the engine runs in the caller's process (vllm.LLM, VLLM_ENABLE_V1_MULTIPROCESSING=0): each step "
+            "runs from one EngineCore step call to the next; the LLM engine's output processing between them "
+            "counts as other, and there is no engine I/O"
+        )
     elif data.annotations:
         anchors, result["anchor"] = data.annotations, "worker iteration annotation (execute_*context*)"
         result["notes"].append(
@@ -434,6 +459,7 @@ def split(path: str) -> dict:
     ple = [(s, e) for p, t, s, e in data.ple_events if (p, t) == (pid, tid)]
     ple_sorted = _Sorted([s for s, _ in ple], [e for _, e in ple])
     kernel_names = {index: name for name, index in data.kernel_names.items()}
+    jit_sorted = _Sorted([lo for lo, _ in data.jit_events], [hi for _, hi in data.jit_events])
 
     # A step runs from its anchor to the next one. The last one has no next: it ends where its work
     # ends (the anchor itself, or the worker calls that started in it).
@@ -463,6 +489,7 @@ def split(path: str) -> dict:
             **{f"{role}_ms": us / 1000 for role, us in role_us.items()},
             "other_ms": (end - start - before) / 1000,
             "ple_staging_ms": union_length([(lo, hi) for _, lo, hi in ple_sorted.overlapping(start, end)]) / 1000,
+            "jit_compile_ms": union_length([(lo, hi) for _, lo, hi in jit_sorted.overlapping(start, end)]) / 1000,
         }
         if result["gpu_events"]:
             spans = []
@@ -490,6 +517,18 @@ def split(path: str) -> dict:
         result["steps"].append(step)
 
     result["summary"] = summarize(result["steps"], result["gpu_events"], families)
+    median = statistics.median(s["step_ms"] for s in result["steps"]) if result["steps"] else 0.0
+    for step in result["steps"]:
+        if step["step_ms"] > IDLE_FACTOR * median:
+            why = (
+                f"{step['jit_compile_ms']:.1f} ms of it compiling Triton kernels"
+                if step["jit_compile_ms"] > 0.5 * step["step_ms"]
+                else "idle or waiting"
+            )
+            result["notes"].append(
+                f"step {step['index']} ({step['step_ms']:.1f} ms, > {IDLE_FACTOR} x the median) is left out of the "
+                f"summary: {why}"
+            )
     for step in result["steps"]:
         step.pop("_kernels", None)
     if data.memory_ms:
@@ -591,7 +630,7 @@ def print_report(results: list[dict], out=sys.stdout) -> None:
         print(
             f"  {s['steps']} steps (anchor: {trace['anchor']}), {s['step_ms_mean']:.2f} ms/step mean, "
             f"{s['step_ms_median']:.2f} median"
-            + (f", {s['idle_steps_left_out']} idle left out" if s["idle_steps_left_out"] else ""),
+            + (f", {s['idle_steps_left_out']} long (idle or compiling) left out" if s["idle_steps_left_out"] else ""),
             file=out,
         )
         print("  " + "  ".join(f"{role} {share[role] * 100:.1f} %" for role in share), file=out)
