@@ -128,8 +128,11 @@ def _ple(name, compile_, mmap, about, env=None, **extra):
         "max_num_seqs": 8,
         "max_num_batched_tokens": 128,
         "max_model_len": 1024,
-        "timeout_s": 200,
-        "min_s": 100,  # a Qwen4Exp process takes 65-130 s: one started with less left is lost
+        # A configuration's first Qwen4Exp process took 143-186 s on the H200 (2026-12-01: ~100 s of
+        # it the profile run compiling that graph's Inductor kernels), a rerun 45-75 s; one started
+        # with less left than that is lost (q4e-mmap1-pw was, with 119 s left).
+        "timeout_s": 260,
+        "min_s": 190,
         "gpu_memory_utilization": 0.3,
         "hf_overrides": {"ple_mmap": True} if mmap else None,
         "env": env or {},
