@@ -20,8 +20,10 @@ page of the table cached and mapped first):
   `set_torch_threads_for_runtime()` after warm-up) and with torch's free thread count (`free`).
 - `gather/*`: the row gather alone over N random rows, same two conditions: the old
   `torch.index_select` over the byte view (parallel only through torch's threads), the new
-  numpy gather in the calling thread, and the new gather as shipped (its own thread pool from
-  `pool_min_rows` rows): where the switch point belongs with one torch thread.
+  numpy gather in the calling thread, and the new gather as shipped (the probe, then numpy up
+  to `index_select_min_rows` rows and one `index_select` above; its thread pool only after a
+  disk wait, or from `pool_min_rows` rows when set): where the switch points belong with one
+  torch thread.
 - `gpu/*` (CUDA only, one torch thread): staging with the GPU `idle`, `busy` (a matmul
   workload on another stream runs through the whole step, standing in for the previous
   step's kernels) and `after_previous_step` (the workload is enqueued on the same stream just

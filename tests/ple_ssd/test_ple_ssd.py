@@ -134,8 +134,13 @@ def make_table(ple_mmap, table, shards, row_range=None, **settings):
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"direct_copy_max_rows": 0}, {"pool_min_rows": 0, "rows_per_task": 5, "num_threads": 4}],
-    ids=["defaults", "deduplicated", "thread-pool"],
+    [
+        {},
+        {"direct_copy_max_rows": 0},
+        {"pool_min_rows": 0, "rows_per_task": 5, "num_threads": 4},
+        {"index_select_min_rows": 1},
+    ],
+    ids=["defaults", "deduplicated", "thread-pool", "index-select"],
 )
 @pytest.mark.parametrize("row_range", [None, (9_000, 23_456)], ids=["whole", "tp-rank-range"])
 def test_standalone_table_returns_the_rows_of_the_file_mappings(shard_files, settings, row_range):
@@ -172,9 +177,30 @@ def random_offsets(mapped, count, seed=0):
     return mapped.shard_base_np[ids // mapped.shard_size] + ids * mapped.row_bytes, ids
 
 
+def test_a_warm_large_gather_is_one_index_select_in_the_calling_thread(shard_files):
+    """With one torch thread (as vLLM serves) a warm gather above index_select_min_rows is one
+    torch.index_select after the probe, in the calling thread: no pool is started."""
+    ple_mmap = load_ple_mmap()
+    table, shards, _ = shard_files
+    mapped = make_table(ple_mmap, table, shards, num_threads=4)
+    assert mapped.pool_min_rows is None and mapped.index_select_min_rows == 1024
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for count, selects in ((1000, 0), (8000, 1)):  # 992 rows after the probe: numpy; 7,992: one call
+            offsets, ids = random_offsets(mapped, count, seed=count)
+            mapped.gather_offsets(offsets, mapped.host_rows_np)
+            assert mapped.stats["index_selects"] == selects
+            want = table[torch.from_numpy(ids)].view(torch.int16)
+            assert torch.equal(mapped.host_rows[:count].view(torch.int16), want)
+    finally:
+        torch.set_num_threads(previous)
+    assert mapped._pool is None and mapped.stats["pool_gathers"] == 0
+
+
 def test_large_gathers_use_the_modules_own_threads_with_one_torch_thread(shard_files):
-    """vLLM serves with torch.set_num_threads(1): a large gather must still be split, over the
-    module's own pool, and return the same rows."""
+    """With pool_min_rows set and one torch thread, a large gather is split over the module's own
+    pool, and returns the same rows."""
     ple_mmap = load_ple_mmap()
     table, shards, _ = shard_files
     mapped = make_table(ple_mmap, table, shards, num_threads=4, pool_min_rows=1024, rows_per_task=64)
