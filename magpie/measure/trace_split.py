@@ -517,18 +517,16 @@ def split(path: str) -> dict:
         result["steps"].append(step)
 
     result["summary"] = summarize(result["steps"], result["gpu_events"], families)
-    median = statistics.median(s["step_ms"] for s in result["steps"]) if result["steps"] else 0.0
-    for step in result["steps"]:
-        if step["step_ms"] > IDLE_FACTOR * median:
-            why = (
-                f"{step['jit_compile_ms']:.1f} ms of it compiling Triton kernels"
-                if step["jit_compile_ms"] > 0.5 * step["step_ms"]
-                else "idle or waiting"
-            )
-            result["notes"].append(
-                f"step {step['index']} ({step['step_ms']:.1f} ms, > {IDLE_FACTOR} x the median) is left out of the "
-                f"summary: {why}"
-            )
+    for step in long_steps(result["steps"]):
+        why = (
+            f"{step['jit_compile_ms']:.1f} ms of it compiling Triton kernels"
+            if step["jit_compile_ms"] > 0.5 * step["step_ms"]
+            else "idle or waiting"
+        )
+        result["notes"].append(
+            f"step {step['index']} ({step['step_ms']:.1f} ms, > {IDLE_FACTOR} x the median) is left out of the "
+            f"summary: {why}"
+        )
     for step in result["steps"]:
         step.pop("_kernels", None)
     if data.memory_ms:
@@ -536,11 +534,19 @@ def split(path: str) -> dict:
     return result
 
 
+def long_steps(steps: list[dict]) -> list[dict]:
+    """Steps more than IDLE_FACTOR times the median step (idle, or compiling): not summarized."""
+    if not steps:
+        return []
+    median = statistics.median(s["step_ms"] for s in steps)
+    return [s for s in steps if s["step_ms"] > IDLE_FACTOR * median]
+
+
 def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
     if not steps:
         return None
-    median = statistics.median(s["step_ms"] for s in steps)
-    kept = [s for s in steps if s["step_ms"] <= IDLE_FACTOR * median]
+    left_out = {id(s) for s in long_steps(steps)}
+    kept = [s for s in steps if id(s) not in left_out]
     total = sum(s["step_ms"] for s in kept)
     summary = {
         "steps": len(kept),

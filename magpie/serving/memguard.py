@@ -567,9 +567,7 @@ class Supervisor:
         self.stopping = False
         self.killer: threading.Timer | None = None
 
-    def log(self, message: str) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        print(f"[memguard {stamp}] {message}", file=self.log_file, flush=True)
+    log = Guard.log  # the guard's "[memguard <time>]" lines, to the same file
 
     def say(self, message: str) -> None:
         print(f"memguard run: {message}", file=sys.stderr, flush=True)
@@ -596,7 +594,7 @@ class Supervisor:
                 os.killpg(child.pid, signal.SIGKILL)
 
     def start(self) -> subprocess.Popen:
-        out = open(self.args.output, "ab") if self.args.output else None  # noqa: SIM115 (the child's)
+        out = open(self.args.output, "ab") if self.args.output else None  # the child's, closed once it has it
         try:
             child = subprocess.Popen(
                 self.cmd,
