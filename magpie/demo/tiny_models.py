@@ -18,6 +18,7 @@ Two weight variants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -34,6 +35,35 @@ CHAT_TEMPLATE = (
 HIDDEN = 256
 INTERMEDIATE = 512
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+LINEAR_KEY_HEADS, LINEAR_VALUE_HEADS = 2, 4  # linear attention (GDN): 128-wide key and value heads
+LAYERS = 4  # three linear-attention layers, then one full-attention layer, repeated
+
+
+@contextlib.contextmanager
+def layer_shape(**sizes):
+    """Build with other layer sizes (e.g. the GPU harness's real-size layers): HIDDEN=2560, ...
+    for the duration of the block; the module's defaults come back after it."""
+    unknown = [name for name in sizes if name not in _SHAPE_NAMES]
+    if unknown:
+        raise ValueError(f"layer_shape: unknown size(s) {unknown}; known: {', '.join(_SHAPE_NAMES)}")
+    saved = {name: globals()[name] for name in sizes}
+    globals().update(sizes)
+    try:
+        yield
+    finally:
+        globals().update(saved)
+
+
+_SHAPE_NAMES = (
+    "HIDDEN",
+    "INTERMEDIATE",
+    "HEADS",
+    "KV_HEADS",
+    "HEAD_DIM",
+    "LINEAR_KEY_HEADS",
+    "LINEAR_VALUE_HEADS",
+    "LAYERS",
+)
 
 
 def _corpus(lines: int, seed: int = 0) -> list[str]:
@@ -141,6 +171,46 @@ def _make_increment(weights: dict, vocab_size: int, seed: int) -> None:
     weights["mtp.fc.weight"] = torch.cat([eye, torch.zeros(HIDDEN, HIDDEN)], dim=1).to(torch.bfloat16)
 
 
+def qwen35_config(vocab_size: int, eos_id: int):
+    """transformers' Qwen3_5TextConfig at the module's current sizes (layer_shape)."""
+    from transformers import Qwen3_5TextConfig
+
+    pattern = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        layer_types=[pattern[i % 4] for i in range(LAYERS)],
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=LINEAR_KEY_HEADS,
+        linear_num_value_heads=LINEAR_VALUE_HEADS,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        initializer_range=0.02,
+    )
+
+
+def write_config(config, mtp_layers: int, out: Path) -> None:
+    """config.json as vLLM reads a Qwen3.5 + MTP checkpoint."""
+    config_dict = config.to_dict()
+    config_dict["architectures"] = ["Qwen3_5ForCausalLM"]
+    config_dict["mtp_num_hidden_layers"] = mtp_layers
+    config_dict["mtp_use_dedicated_embeddings"] = False
+    config_dict["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2))
+
+
 def build_tiny_qwen35(
     out_dir: str | os.PathLike,
     tokenizer_dir: str | os.PathLike,
@@ -158,7 +228,7 @@ def build_tiny_qwen35(
 
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
     if variant not in ("increment", "random"):
         raise ValueError(f"variant must be 'increment' or 'random', not {variant!r}")
@@ -167,29 +237,7 @@ def build_tiny_qwen35(
     torch.manual_seed(seed)
     tokenizer_eos = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text())["added_tokens"]
     eos_id = next(t["id"] for t in tokenizer_eos if t["content"] == "<|im_end|>")
-    config = Qwen3_5TextConfig(
-        vocab_size=vocab_size,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        initializer_range=0.02,
-    )
+    config = qwen35_config(vocab_size, eos_id)
     config.architectures = ["Qwen3_5ForCausalLM"]
     model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():
@@ -204,12 +252,7 @@ def build_tiny_qwen35(
     if variant == "increment":
         _make_increment(weights, vocab_size, seed + 2)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config_dict = config.to_dict()
-    config_dict["architectures"] = ["Qwen3_5ForCausalLM"]
-    config_dict["mtp_num_hidden_layers"] = mtp_layers
-    config_dict["mtp_use_dedicated_embeddings"] = False
-    config_dict["torch_dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config_dict, indent=2))
+    write_config(config, mtp_layers, out)
     for name in os.listdir(tokenizer_dir):
         shutil.copy(Path(tokenizer_dir) / name, out / name)
     return out

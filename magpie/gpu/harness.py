@@ -493,12 +493,119 @@ def run_env() -> dict:
     return env
 
 
-def run_one(cfg: dict, timeout: int, logs: Path, env: dict) -> dict:
+def evict_table(model_dir: Path) -> dict:
+    """Drop the table's pages from the page cache before a cold or bounded run: posix_fadvise
+    DONTNEED over the shards' byte ranges (no process maps them now), then the kernel's clean
+    caches (drop_caches, where the machine lets root write it). Says what was done."""
+    from magpie.serving import ple_warmup
+
+    ranges = ple_warmup.table_ranges(str(model_dir), ple_warmup.DEFAULT_PATTERN)
+    ple_warmup.evict(ranges)
+    out = {"fadvise_dontneed": True}
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        out["drop_caches"] = True
+    except OSError as e:
+        out["drop_caches"] = f"refused: {e.strerror}"
+    out["table_after"] = ple_warmup.status(ranges)
+    return out
+
+
+def bounded_cgroup(name: str, limit: int, proc: Path = Path("/proc/self")) -> dict:
+    """A memory cgroup for one worker with its limit at LIMIT bytes (no swap): the page cache the
+    worker faults in is charged to it and reclaimed inside it. cgroup v2 (memory.max) where the
+    memory controller is there, else cgroup v1's memory hierarchy (memory.limit_in_bytes).
+
+    v2 in a container whose cgroup holds processes: the memory controller can be enabled for
+    children only after those processes move to a leaf of their own (the no-internal-processes
+    rule); done here, on the lent machine only. Returns {"path", "version", ...} or {"error"}."""
+    from magpie.serving import memguard
+
+    errors = []
+    mount, own = memguard.cgroup2_mount(str(proc / "mountinfo")), memguard.own_cgroup2_path(str(proc / "cgroup"))
+    parent = Path(mount) / own.lstrip("/") if mount and own is not None else None
+    if parent is not None and "memory" in _read(parent / "cgroup.controllers").split():
+        try:
+            moved = 0
+            if "memory" not in _read(parent / "cgroup.subtree_control").split():
+                try:
+                    (parent / "cgroup.subtree_control").write_text("+memory\n")
+                except OSError:
+                    rest = parent / "gpuh-rest"
+                    rest.mkdir(exist_ok=True)
+                    for pid in _read(parent / "cgroup.procs").split():
+                        try:
+                            (rest / "cgroup.procs").write_text(pid + "\n")
+                            moved += 1
+                        except OSError:
+                            pass
+                    (parent / "cgroup.subtree_control").write_text("+memory\n")
+            child = parent / f"gpuh-{name}"
+            child.mkdir(exist_ok=True)
+            (child / "memory.max").write_text(f"{limit}\n")
+            if (child / "memory.swap.max").exists():
+                (child / "memory.swap.max").write_text("0\n")
+            return {"path": str(child), "version": 2, "limit": limit, "processes_moved_to_leaf": moved}
+        except OSError as e:
+            errors.append(f"cgroup v2 under {parent}: {e.strerror} ({e.filename})")
+    else:
+        errors.append("cgroup v2: no memory controller" + (f" at {parent}" if parent else " (not mounted)"))
+    for line in _read(proc / "cgroup").splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" not in controllers.split(","):
+            continue
+        v1 = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+        try:
+            child = v1 / f"gpuh-{name}"
+            child.mkdir(exist_ok=True)
+            (child / "memory.limit_in_bytes").write_text(f"{limit}\n")
+            if (child / "memory.memsw.limit_in_bytes").exists():
+                (child / "memory.memsw.limit_in_bytes").write_text(f"{limit}\n")
+            return {"path": str(child), "version": 1, "limit": limit}
+        except OSError as e:
+            errors.append(f"cgroup v1 under {v1}: {e.strerror} ({e.filename})")
+    return {"error": "; ".join(errors) or "no memory cgroup found"}
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def bound_limit(cfg: dict, results_dir: Path) -> dict:
+    """memory.max for a bounded run: the reference run's anonymous and shared memory (its
+    RssAnon + RssShmem, from its result) plus page_cache_fraction of the table's bytes."""
+    from magpie.serving import ple_warmup
+
+    ref = json.loads((results_dir / f"{cfg['bound_after']}.json").read_text())
+    mem = ref[cfg["checks"][0]]["memory"]
+    anon = sum(int(mem.get(k, "0 kB").split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+    ranges = ple_warmup.table_ranges(str(GPUH / "models" / cfg["model"]), ple_warmup.DEFAULT_PATTERN)
+    table = sum(end - start for _, _, start, end in ranges)
+    cache = int(cfg["page_cache_fraction"] * table)
+    kernel = 512 << 20  # page tables, slab and socket memory are charged to the cgroup too
+    return {
+        "limit": anon + cache + kernel,
+        "anon_of_reference": anon,
+        "page_cache_bytes": cache,
+        "kernel_allowance": kernel,
+        "table_bytes": table,
+    }
+
+
+def run_one(cfg: dict, timeout: int, logs: Path, env: dict, cgroup: str | None = None) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     cfg_path = logs / f"{cfg['name']}.json"
     cfg_path.write_text(json.dumps(cfg))
     log_path = logs / f"{cfg['name']}.log"
     t0 = time.time()
+
+    def enter_cgroup():  # in the child, before exec: everything the worker starts stays inside
+        Path(cgroup, "cgroup.procs").write_text(f"{os.getpid()}\n")
+
     with open(log_path, "w") as log:
         try:
             proc = subprocess.run(
@@ -511,6 +618,7 @@ def run_one(cfg: dict, timeout: int, logs: Path, env: dict) -> dict:
                     "PYTHONPATH": os.pathsep.join([str(GPUH / cfg.get("site", "site")), str(REPO)]),
                 },
                 timeout=timeout,
+                preexec_fn=enter_cgroup if cgroup else None,
             )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
@@ -568,8 +676,21 @@ def cmd_run(args) -> int:
             print(f"[run] SKIP {cfg['name']}: {left:.0f} s left of the budget", flush=True)
             continue
         timeout = int(min(cfg.get("timeout_s", 240), left))
+        setup: dict = {}
+        if cfg.get("evict_table"):
+            setup["evict"] = evict_table(GPUH / "models" / cfg["model"])
+            print(f"[run] {cfg['name']}: table evicted: {json.dumps(setup['evict'])}", flush=True)
+        cgroup = None
+        if cfg.get("page_cache_fraction"):
+            setup["bound"] = bound_limit(cfg, results_dir)
+            setup["cgroup"] = bounded_cgroup(cfg["name"], setup["bound"]["limit"])
+            cgroup = setup["cgroup"].get("path")
+            # Without a cgroup the run is a cold start with an unbounded cache: named as such.
+            print(f"[run] {cfg['name']}: {json.dumps(setup)}", flush=True)
         print(f"[run] {cfg['name']} (timeout {timeout} s) ...", flush=True)
-        result = run_one(cfg, timeout, GPUH / "logs", env)
+        result = run_one(cfg, timeout, GPUH / "logs", env, cgroup=cgroup)
+        if setup:
+            result["setup"] = setup
         files.atomic_write_json(done, result, indent=None)
         print("[run] " + proof.one_line(result), flush=True)
         if not result.get("ok") and "init_s" not in result and not args.keep_going:

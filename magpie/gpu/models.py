@@ -14,6 +14,10 @@ Model kinds (names used by the configurations in harness.py):
   distribution to sample from, with the draft still proposing previous + 1.
 - `big`: the increment model with the real 248,320-id vocabulary and Flash-Next's hidden size
   2560 (its head is 248,320 x 2560 BF16 = 1.27 GB, as Flash-Next's), built on the GPU machine.
+- `scale`: `big` with real-size layers (SCALE_SHAPE: Qwen3.5-4B's layer sizes at hidden 2560)
+  and SCALE_LAYERS of them, so that a decode step is GPU-bound on the H200 and the draft head is a
+  share of it as on a GB10 (issue 18). The same increment weights (every output projection zero:
+  the same GEMMs at the same cost, exact outputs). ~17 GB, written on the GPU machine only.
 """
 
 from __future__ import annotations
@@ -36,6 +40,19 @@ MISS_RANGE = (3700, 3959)
 # The big model's keep-set (K = 10,000) and its prompts: every continuation stays inside it.
 BIG_KEEP = (100, 10_100)
 BIG_STARTS = (200, 2200, 4200, 6200)
+# Qwen3.5-4B's layer sizes (hidden 2560): full attention 16 x 256 query heads (+ output gate),
+# 4 KV heads; GDN 16 key / 32 value heads of 128; MLP 9216. ~110 M parameters a layer.
+SCALE_SHAPE = {
+    "HIDDEN": BIG_HIDDEN,
+    "INTERMEDIATE": 9216,
+    "HEADS": 16,
+    "KV_HEADS": 4,
+    "HEAD_DIM": 256,
+    "LINEAR_KEY_HEADS": 16,
+    "LINEAR_VALUE_HEADS": 32,
+}
+SCALE_LAYERS = 64
+SCALE_FILES = 4
 
 
 def _tiny_models():
@@ -147,4 +164,49 @@ def materialize_big(spec: Path, out: Path, seed: int = 0) -> Path:
     for name in spec.iterdir():
         if name.name not in ("spec.json", "small.safetensors"):
             shutil.copy(name, out / name.name)
+    return out
+
+
+def materialize_scale(tokenizer_dir: Path, out: Path, layers: int = SCALE_LAYERS, seed: int = 0) -> Path:
+    """Write the `scale` checkpoint (GPU machine: ~17 GB in SCALE_FILES files, index beside).
+
+    Names and shapes come from transformers' own Qwen3_5ForCausalLM built on the meta device
+    (no memory), the values from a seeded generator on the GPU, then the increment rewrite."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5ForCausalLM
+
+    tm = _tiny_models()
+    eos_id = next(
+        t["id"]
+        for t in json.loads((tokenizer_dir / "tokenizer.json").read_text())["added_tokens"]
+        if t["content"] == "<|im_end|>"
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with tm.layer_shape(**SCALE_SHAPE, LAYERS=layers):
+        config = tm.qwen35_config(BIG_VOCAB, eos_id)
+        with torch.device("meta"):
+            shapes = {name: tuple(t.shape) for name, t in Qwen3_5ForCausalLM(config).state_dict().items()}
+        weights = {}
+        for name, shape in shapes.items():
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                continue  # written by the increment rewrite
+            weights[name] = (torch.randn(*shape, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+        weights.update(tm._mtp_tensors(torch.Generator().manual_seed(seed + 1), torch.bfloat16, 1))
+        tm._make_increment(weights, BIG_VOCAB, seed + 2)
+        out.mkdir(parents=True, exist_ok=True)
+        tm.write_config(config, 1, out)
+    names = sorted(weights)
+    weight_map = {}
+    for f in range(SCALE_FILES):
+        part = {name: weights[name].contiguous() for name in names[f::SCALE_FILES]}
+        file_name = f"model-{f + 1:05d}-of-{SCALE_FILES:05d}.safetensors"
+        save_file(part, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file_name))
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    for path in tokenizer_dir.iterdir():
+        shutil.copy(path, out / path.name)
     return out

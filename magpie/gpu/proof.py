@@ -78,6 +78,11 @@ def one_line(result: dict) -> str:
             extra = result[check].get("exact", "")
             parts.append(f"{check} {extra} L={spec.get('mean_acceptance_length')} pos={spec.get('acceptance_per_pos')}")
             parts.append(f"steps={result[check].get('counts', {}).get('steps')}")
+    if "ple_scale" in result:
+        runs = result["ple_scale"]["runs"]
+        parts.append(
+            " ".join(f"{k}={v['decode_tok_s']} tok/s stage p50 {v['stage'].get('us_p50')} us" for k, v in runs.items())
+        )
     if "speed" in result:
         sp = result["speed"]
         parts.append(" ".join(f"{k}={sp[k]['decode_tok_s']} tok/s ({sp[k]['exact']})" for k in sp if _is_conc(k)))
@@ -248,6 +253,25 @@ def compare(results: dict) -> dict:
             entry["memory"] = p.get("memory")
             if base and base.get("ok") and "ple" in base:
                 entry["ids_equal_to_" + base_name] = p["ids"] == base["ple"]["ids"]
+        if "ple_scale" in res:
+            p = res["ple_scale"]
+            entry["runs"] = {
+                k: {"decode_tok_s": v["decode_tok_s"], "stage": v["stage"], "per_step": v["per_step"]}
+                for k, v in p["runs"].items()
+            }
+            entry["table_residency_after"] = p["table_residency_after"]
+            entry["cgroup"] = p.get("cgroup")
+            if base and base.get("ok") and "ple_scale" in base:
+                entry["ids_equal_to_" + base_name] = {
+                    k: v == base["ple_scale"]["ids"].get(k) for k, v in p["ids"].items()
+                }
+                entry["tok_s_vs_" + base_name] = {
+                    k: round(v["decode_tok_s"] / base["ple_scale"]["runs"][k]["decode_tok_s"], 3)
+                    for k, v in p["runs"].items()
+                    if k in base["ple_scale"]["runs"]
+                    and v["decode_tok_s"]
+                    and base["ple_scale"]["runs"][k]["decode_tok_s"]
+                }
         out[name] = entry
     return out
 

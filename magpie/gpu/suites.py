@@ -9,6 +9,7 @@ configuration whose outputs this one must reproduce); timeout_s; env; hf_overrid
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -171,7 +172,86 @@ PLE = [
     ),
 ]
 
-SUITES = {"mtp": MTP, "ple": PLE}
+
+def _scale(name, keep, about, **extra):
+    cfg = {
+        "name": name,
+        "about": about,
+        "model": "scale",
+        "compile": "fp",
+        "mtp": 3,
+        "keep": keep,
+        "checks": ["speed"],
+        "profile": True,
+        "trace": True,
+        "max_num_seqs": 4,
+        "gpu_memory_utilization": 0.4,
+        "timeout_s": 300,
+        "min_s": 150,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+# Issue 18: the draft head where it is a real share of a GPU-bound decode step (models.SCALE_*).
+SCALE = [
+    _scale(
+        "scale-fp-base",
+        None,
+        "64 real-size layers at hidden 2560, 248,320 ids, unpruned, compiled FULL_AND_PIECEWISE (first: compile)",
+        timeout_s=420,
+        min_s=300,
+    ),
+    _scale(
+        "scale-fp-k10k",
+        "big10k",
+        "the same with the 10,000-id keep-set (every continuation inside it)",
+        compare_to="scale-fp-base",
+    ),
+]
+
+# Issue 18: a 17.4 GB table (16 heads x a prime above 3.4 M rows, 128 shards in 4 files), four
+# times the page cache the bounded configuration gets (a cgroup v2 memory.max: harness.py).
+PLE_SCALE_TABLE_BASE = 3_400_000
+
+
+def _ple_scale(name, mmap, about, **extra):
+    return _ple(
+        name,
+        "fdo",
+        mmap,
+        about,
+        model="q4e16",
+        checks=["ple_scale"],
+        max_num_batched_tokens=None,
+        gpu_memory_utilization=0.35,
+        timeout_s=300,
+        min_s=200,
+        **extra,
+    )
+
+
+PLE_SCALE = [
+    _ple_scale("q4e16-resident", False, "17.4 GB table resident in GPU memory (stock path): the reference"),
+    _ple_scale(
+        "q4e16-mmap-warm",
+        True,
+        "ple_mmap 0001+0002, the table's pages in the page cache (the resident run read them)",
+        compare_to="q4e16-resident",
+    ),
+    _ple_scale(
+        "q4e16-mmap-bound",
+        True,
+        "ple_mmap, table evicted first, the worker in a cgroup whose memory.max leaves a quarter of the "
+        "table for the page cache (the GB10 case)",
+        compare_to="q4e16-resident",
+        evict_table=True,
+        page_cache_fraction=0.25,
+        bound_after="q4e16-mmap-warm",
+    ),
+]
+
+SUITES = {"mtp": MTP, "ple": PLE, "scale": SCALE, "ple-scale": PLE_SCALE}
 
 
 def prepare_models(suite: str, models_dir: Path) -> None:
@@ -181,7 +261,13 @@ def prepare_models(suite: str, models_dir: Path) -> None:
     if suite == "mtp" and not (models_dir / "big" / "model.safetensors").exists():
         models.materialize_big(models_dir / "big-spec", models_dir / "big")
         print(f"[models] wrote {models_dir / 'big'}", flush=True)
-    if suite == "ple" and not (models_dir / "q4e" / "config.json").exists():
+    if suite == "scale" and not (models_dir / "scale" / "config.json").exists():
+        t0 = time.time()
+        models.materialize_scale(models_dir / "tokenizer", models_dir / "scale")
+        print(f"[models] wrote {models_dir / 'scale'} in {time.time() - t0:.0f} s", flush=True)
+    for name, table_base, wanted in (("q4e", None, "ple"), ("q4e16", PLE_SCALE_TABLE_BASE, "ple-scale")):
+        if suite != wanted or (models_dir / name / "config.json").exists():
+            continue
         import subprocess
         import sys
 
@@ -190,6 +276,7 @@ def prepare_models(suite: str, models_dir: Path) -> None:
         # In a child whose PYTHONPATH starts with the carried vLLM tree (its table layout).
         env = tool_env()
         env["PYTHONPATH"] = os.pathsep.join([str(models_dir.parent / "site"), env["PYTHONPATH"]])
-        cmd = [sys.executable, "-m", "magpie.gpu.qwen4exp", str(models_dir / "q4e-spec"), str(models_dir / "q4e")]
-        subprocess.run(cmd, env=env, check=True)
-        print(f"[models] wrote {models_dir / 'q4e'}", flush=True)
+        cmd = [sys.executable, "-m", "magpie.gpu.qwen4exp", str(models_dir / "q4e-spec"), str(models_dir / name)]
+        t0 = time.time()
+        subprocess.run(cmd + ([str(table_base)] if table_base else []), env=env, check=True)
+        print(f"[models] wrote {models_dir / name} in {time.time() - t0:.0f} s", flush=True)

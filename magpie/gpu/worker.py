@@ -248,7 +248,11 @@ def check_sampling(llm, cfg: dict) -> dict:
 
 
 def _kernel_table(trace_path: str, steps: int) -> dict:
-    events = json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+    import gzip
+
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
     kernels = [e for e in events if e.get("cat") == "kernel"]
     total = collections.Counter()
     calls = collections.Counter()
@@ -308,22 +312,28 @@ def profile_decode(llm, cfg: dict) -> dict:
     import torch
     from vllm import SamplingParams
 
-    n = 64
+    n = cfg.get("profile_tokens", 64)
     prompt = [{"prompt_token_ids": list(range(models.BIG_STARTS[0], models.BIG_STARTS[0] + 8))}]
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     llm.generate(prompt, sp, use_tqdm=False)
     before = spec_metrics(llm)
     reset_counts()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    # trace: as vLLM's own profiler records (with_stack, record_shapes), gzipped into $OUT for
+    # `magpie trace-split` (its step anchors are the engine's Python function events).
+    stack = bool(cfg.get("trace"))
+    with torch.profiler.profile(activities=acts, with_stack=stack, record_shapes=stack) as prof:
         llm.generate(prompt, sp, use_tqdm=False)
         torch.cuda.synchronize()
     spec = metrics_delta(before, spec_metrics(llm))
     steps = sum(COUNTS["steps"].values())
-    path = "/tmp/gpuh/trace-" + cfg["name"] + ".json"
+    folder = Path(os.environ.get("OUT") or "/tmp/gpuh") if stack else Path("/tmp/gpuh")
+    path = str(folder / (f"{cfg['name']}.pt.trace.json.gz" if stack else f"trace-{cfg['name']}.json"))
     prof.export_chrome_trace(path)
     table = _kernel_table(path, steps)
     table.update(decode_steps=steps, spec=spec, counts=snapshot_counts())
+    if stack:
+        table["trace"] = Path(path).name
     return table
 
 
@@ -412,11 +422,133 @@ def proc_memory(file_marker: str) -> dict:
     return mem
 
 
+def io_counters() -> dict:
+    """This process's bytes read from storage (/proc/self/io read_bytes), all bytes read through
+    read(2)-like calls (rchar), and its major / minor page faults (/proc/self/stat)."""
+    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return {
+        "read_bytes": int(io["read_bytes"]),
+        "rchar": int(io["rchar"]),
+        "minflt": int(stat[7]),
+        "majflt": int(stat[9]),
+    }
+
+
+def cgroup_memory() -> dict | None:
+    """The limit of this process's memory cgroup and the page cache ("file" / v1 "cache") it
+    holds: cgroup v2 where this process sits in one with a memory controller, else v1."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        v2 = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        if controllers == "" and (v2 / "memory.max").exists() and rel != "/":
+            names = {"limit": "memory.max", "current": "memory.current", "peak": "memory.peak"}
+            folder, version = v2, 2
+            break
+        if "memory" in controllers.split(","):
+            names = {
+                "limit": "memory.limit_in_bytes",
+                "current": "memory.usage_in_bytes",
+                "peak": "memory.max_usage_in_bytes",
+            }
+            folder, version = Path("/sys/fs/cgroup/memory") / rel.lstrip("/"), 1
+            break
+    else:
+        return None
+    try:
+        out: dict = {"cgroup": str(folder), "version": version}
+        for key, name in names.items():
+            if (folder / name).exists():
+                out[key] = (folder / name).read_text().strip()
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+        keep = ("anon", "file", "file_mapped", "active_file", "inactive_file", "rss", "cache", "mapped_file")
+        out.update({k: int(stat[k]) for k in keep if k in stat})
+        return out
+    except (OSError, ValueError):
+        return None
+
+
+def _percentiles(values: list[float]) -> dict:
+    us = sorted(v * 1e6 for v in values)
+    if not us:
+        return {}
+    return {
+        "calls": len(us),
+        "us_p50": round(us[len(us) // 2], 1),
+        "us_p99": round(us[min(len(us) - 1, int(0.99 * len(us)))], 1),
+        "us_max": round(us[-1], 1),
+    }
+
+
+def ple_scale_prompts(kind: str, count: int, length: int = 64) -> list[dict]:
+    """`distinct`: every prompt's ids different (ids i, i + 7, ...): every n-gram new, the worst
+    case; `repeated`: a 16-token phrase said length / 16 times, the n-grams reused as in real text."""
+    if kind == "distinct":
+        return [{"prompt_token_ids": [(300 + 997 * i + 7 * j) % 4000 + 3 for j in range(length)]} for i in range(count)]
+    return [
+        {"prompt_token_ids": [(50 + 13 * i + 5 * j) % 4000 + 3 for j in range(16)] * (length // 16)}
+        for i in range(count)
+    ]
+
+
+def check_ple_scale(llm, cfg: dict) -> dict:
+    """Decode tok/s at c = 1 and 4 for distinct and repeated prompts, in that order and with no
+    warm-up (a bounded cache's first minute is what it is); per run: the stage() p50/p99, bytes
+    read from storage and page faults per decode step, the greedy ids; after each prompt kind the
+    table's share in the page cache (mincore over the shards' byte ranges)."""
+    from vllm import SamplingParams
+
+    from magpie.serving import ple_warmup
+
+    model_dir = str(Path(os.environ["GPUH_MODELS"]) / cfg["model"])
+    ranges = ple_warmup.table_ranges(model_dir, ple_warmup.DEFAULT_PATTERN)
+    n = cfg.get("decode_tokens", 128)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=n + 1, ignore_eos=True)
+    runs, ids, residency = {}, {}, {}
+    for kind in ("distinct", "repeated"):
+        for c in cfg.get("concurrency", (1, 4)):
+            prompts = ple_scale_prompts(kind, c)
+            t0 = time.perf_counter()
+            llm.generate(prompts, one, use_tqdm=False)
+            reset_counts()
+            io0 = io_counters()
+            t1 = time.perf_counter()
+            outs = llm.generate(prompts, full, use_tqdm=False)
+            t2 = time.perf_counter()
+            io1 = io_counters()
+            steps = max(sum(COUNTS["steps"].values()), 1)
+            decode_s = (t2 - t1) - (t1 - t0)
+            runs[f"{kind}-c{c}"] = {
+                "decode_tok_s": round(c * n / decode_s, 1) if decode_s > 0 else None,
+                "window_s": round(t2 - t1, 3),
+                "steps": dict(COUNTS["steps"]),
+                "replays": dict(COUNTS["replays"]),
+                "stage": _percentiles(STAGE["seconds"]),
+                "per_step": {k: round((io1[k] - io0[k]) / steps, 1) for k in io0},
+                "window": {k: io1[k] - io0[k] for k in io0},
+            }
+            ids[f"{kind}-c{c}"] = [list(o.outputs[0].token_ids) for o in outs]
+        t0 = time.perf_counter()
+        residency[kind] = ple_warmup.status(ranges)
+        residency[kind]["mincore_s"] = round(time.perf_counter() - t0, 2)
+    return {
+        "decode_tokens": n,
+        "runs": runs,
+        "ids": ids,
+        "table_residency_after": residency,
+        "memory": proc_memory(cfg.get("table_glob", "model-")),
+        "cgroup": cgroup_memory(),
+    }
+
+
 CHECKS = {
     "greedy_increment": check_greedy_increment,
     "sampling": check_sampling,
     "speed": check_speed,
     "ple": check_ple,
+    "ple_scale": check_ple_scale,
 }
 
 

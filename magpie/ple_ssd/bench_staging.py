@@ -351,6 +351,16 @@ def time_one(step_fn, device, stream_sync: bool) -> tuple[float, float]:
     return (time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3
 
 
+def scoped_index_select(rows_at: torch.Tensor, out: torch.Tensor, threads: int, offs: np.ndarray) -> None:
+    """One torch.index_select with `threads` intra-op threads, then back to the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.index_select(rows_at, 0, torch.from_numpy(offs), out=out[: offs.size])
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_server(args, ctx: dict, results: dict, save) -> None:
     """Issue 14's server conditions: one torch thread beside the free count (item 1), the
     GPU idle beside busy (item 5), the code before issue 14 beside the current one."""
@@ -461,6 +471,13 @@ def run_server(args, ctx: dict, results: dict, save) -> None:
                 "new_calling_thread": lambda offs: new._copy_rows(offs, 0, offs.size, new.host_rows_np),
                 "new_gather": lambda offs: new.gather_offsets(offs, new.host_rows_np),
             }
+            if condition == SERVER:
+                # Issue 18 item 3: torch's own threads for the one index_select only, the server's
+                # single thread restored after it (the switch is inside the timed call).
+                for scoped in args.scoped_threads:
+                    gathers[f"index_select_scoped_{scoped}t"] = functools.partial(
+                        scoped_index_select, old.rows_at, old.host_rows, scoped
+                    )
             for name, fn in gathers.items():
                 walls = []
                 for index in range(iterations(rows) + 3):
@@ -611,6 +628,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suite", choices=["server", "full"], default="server", help="see above")
     parser.add_argument("--sweep-rows", default="256,512,1024,2048,4096,8192,32768", help="gather sizes (server)")
     parser.add_argument("--pool-threads", type=int, default=16, help="the old module's pool threads (server)")
+    parser.add_argument(
+        "--scoped-threads",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default="2,4,8",
+        help="torch thread counts set around one index_select only, with one thread (server; '' for none)",
+    )
     parser.add_argument("--busy-ms", type=float, default=5.0, help="GPU-busy workload per decode step (server)")
     parser.add_argument("--previous-step-ms", type=float, default=1.0, help="'previous step' workload (server)")
     parser.add_argument("--before-patch", type=Path, default=BEFORE_PATCH, help="0001 before issue 14")

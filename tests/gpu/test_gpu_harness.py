@@ -233,3 +233,90 @@ def test_a_variant_tree_swaps_files_without_touching_the_staged_one(tmp_path, mo
     assert (site / "only_in_series.py").exists()
     with pytest.raises(harness.HarnessError, match="not staged"):
         harness.make_reverted_site("site-other")
+
+
+def test_the_scale_checkpoint_loads_in_vllm_and_continues_exactly(cpu_setup, monkeypatch):
+    """materialize_scale at a CPU-sized shape (8 layers, 4,096 ids): transformers' meta-device
+    names, 4 files with an index, the increment rewrite; the real vLLM CPU build loads it through
+    the harness and greedy decoding continues next id = previous + 1 with every draft accepted."""
+    monkeypatch.setattr(harness, "GPUH", cpu_setup)
+    small = {
+        "HIDDEN": 256,
+        "INTERMEDIATE": 512,
+        "HEADS": 4,
+        "KV_HEADS": 2,
+        "HEAD_DIM": 64,
+        "LINEAR_KEY_HEADS": 2,
+        "LINEAR_VALUE_HEADS": 4,
+    }
+    monkeypatch.setattr(models, "SCALE_SHAPE", small)
+    monkeypatch.setattr(models, "BIG_VOCAB", 4096)
+    out = models.materialize_scale(cpu_setup / "models" / "tok", cpu_setup / "models" / "scale", layers=8)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 8 and config["layer_types"].count("full_attention") == 2
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == models.SCALE_FILES
+    assert "model.layers.7.self_attn.o_proj.weight" in index["weight_map"] and "mtp.fc.weight" in index["weight_map"]
+    cfg = {
+        "name": "cpu-scale",
+        "model": "scale",
+        "compile": "eager",
+        "mtp": 3,
+        "keep": None,
+        "checks": ["greedy_increment"],
+        "max_num_seqs": 8,
+        "device": "cpu",
+        "llm_extra": {"enable_prefix_caching": False},
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"},
+    }
+    result = harness.run_one(cfg, 400, cpu_setup / "logs", harness.run_env())
+    assert result["rc"] == 0 and result["ok"], result.get("failure_excerpt")
+    assert result["greedy_increment"]["exact"] == "8/8"
+    assert result["greedy_increment"]["spec"]["acceptance_per_pos"] == [1.0] * 3
+
+
+def test_a_bounded_cgroup_keeps_a_readers_page_cache_under_its_limit(tmp_path, monkeypatch):
+    """bounded_cgroup on this machine's real cgroups (v2 or v1): a child that reads a file four
+    times the limit through a mapping holds at most the limit in page cache, by its cgroup's own
+    count (the worker's cgroup_memory), and the file's pages beyond it were reclaimed."""
+    import os
+    import subprocess
+    import sys
+
+    limit = 64 << 20
+    cg = harness.bounded_cgroup(f"test-{os.getpid()}", limit)
+    if "error" in cg:
+        pytest.skip(f"no memory cgroup can be made here: {cg['error']}")
+    data = tmp_path / "table.bin"
+    with open(data, "wb") as f:
+        for _ in range(4 * limit // (1 << 20)):
+            f.write(os.urandom(1 << 20))
+    from magpie.serving import ple_warmup
+
+    ple_warmup.evict([(str(data), "t", 0, data.stat().st_size)])
+    reader = (
+        "import json, mmap, sys\n"
+        "from magpie.gpu import worker\n"
+        "with open(sys.argv[1], 'rb') as f:\n"
+        "    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+        "    total = sum(m[i] for i in range(0, len(m), 4096))\n"
+        "print(json.dumps(worker.cgroup_memory()))\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", reader, str(data)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            preexec_fn=lambda: Path(cg["path"], "cgroup.procs").write_text(f"{os.getpid()}\n"),
+        )
+        assert proc.returncode == 0, proc.stderr
+        seen = json.loads(proc.stdout.splitlines()[-1])
+        assert seen["cgroup"] == cg["path"]
+        cache = seen.get("file", seen.get("cache"))
+        assert 0 < cache <= limit, seen
+        resident = ple_warmup.status([(str(data), "t", 0, data.stat().st_size)])["resident_fraction"]
+        assert resident <= 0.3, resident  # 64 of 256 MiB at most, plus what the kernel left
+    finally:
+        Path(cg["path"]).rmdir()
