@@ -493,10 +493,13 @@ def ple_scale_prompts(kind: str, count: int, length: int = 64) -> list[dict]:
 
 
 def check_ple_scale(llm, cfg: dict) -> dict:
-    """Decode tok/s at c = 1 and 4 for distinct and repeated prompts, in that order and with no
-    warm-up (a bounded cache's first minute is what it is); per run: the stage() p50/p99, bytes
-    read from storage and page faults per decode step, the greedy ids; after each prompt kind the
-    table's share in the page cache (mincore over the shards' byte ranges)."""
+    """Decode tok/s at c = 1 and 4, for distinct and repeated prompts, each decoded greedily (this
+    random-weight model soon repeats a token: its n-grams, and so its table rows, recur: the best
+    case) and sampled at temperature 1 with fixed seeds (a new random token each step: nearly
+    every n-gram new, the worst case). A short warm-up on other prompts first (JIT, graphs), then
+    the runs in that order. Per run: the prefill call's and the decode window's bytes read from
+    storage and page faults, per decode step the stage() p50/p99; the ids; after each prompt
+    kind the table's share in the page cache (mincore over the shards' byte ranges)."""
     from vllm import SamplingParams
 
     from magpie.serving import ple_warmup
@@ -504,32 +507,48 @@ def check_ple_scale(llm, cfg: dict) -> dict:
     model_dir = str(Path(os.environ["GPUH_MODELS"]) / cfg["model"])
     ranges = ple_warmup.table_ranges(model_dir, ple_warmup.DEFAULT_PATTERN)
     n = cfg.get("decode_tokens", 128)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    full = SamplingParams(temperature=0.0, max_tokens=n + 1, ignore_eos=True)
+    concurrency = cfg.get("concurrency", (1, 4))
+    warm = [{"prompt_token_ids": [3900 + 11 * i + j for j in range(16)]} for i in range(max(concurrency))]
+    for c in concurrency:
+        llm.generate(warm[:c], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     runs, ids, residency = {}, {}, {}
     for kind in ("distinct", "repeated"):
-        for c in cfg.get("concurrency", (1, 4)):
-            prompts = ple_scale_prompts(kind, c)
-            t0 = time.perf_counter()
-            llm.generate(prompts, one, use_tqdm=False)
-            reset_counts()
-            io0 = io_counters()
-            t1 = time.perf_counter()
-            outs = llm.generate(prompts, full, use_tqdm=False)
-            t2 = time.perf_counter()
-            io1 = io_counters()
-            steps = max(sum(COUNTS["steps"].values()), 1)
-            decode_s = (t2 - t1) - (t1 - t0)
-            runs[f"{kind}-c{c}"] = {
-                "decode_tok_s": round(c * n / decode_s, 1) if decode_s > 0 else None,
-                "window_s": round(t2 - t1, 3),
-                "steps": dict(COUNTS["steps"]),
-                "replays": dict(COUNTS["replays"]),
-                "stage": _percentiles(STAGE["seconds"]),
-                "per_step": {k: round((io1[k] - io0[k]) / steps, 1) for k in io0},
-                "window": {k: io1[k] - io0[k] for k in io0},
-            }
-            ids[f"{kind}-c{c}"] = [list(o.outputs[0].token_ids) for o in outs]
+        for mode in ("greedy", "sampled"):
+            for c in concurrency:
+                prompts = ple_scale_prompts(kind, c)
+
+                def params(tokens, mode=mode, c=c):
+                    if mode == "greedy":
+                        return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+                    return [
+                        SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=tokens, ignore_eos=True)
+                        for i in range(c)
+                    ]
+
+                io0 = io_counters()
+                t0 = time.perf_counter()
+                llm.generate(prompts, params(1), use_tqdm=False)
+                t1 = time.perf_counter()
+                io1 = io_counters()
+                reset_counts()
+                outs = llm.generate(prompts, params(n + 1), use_tqdm=False)
+                t2 = time.perf_counter()
+                io2 = io_counters()
+                steps = max(sum(COUNTS["steps"].values()), 1)
+                decode_s = (t2 - t1) - (t1 - t0)
+                name = f"{kind}-{mode}-c{c}"
+                runs[name] = {
+                    "decode_tok_s": round(c * n / decode_s, 1) if decode_s > 0 else None,
+                    "prefill_s": round(t1 - t0, 4),
+                    "window_s": round(t2 - t1, 3),
+                    "steps": dict(COUNTS["steps"]),
+                    "replays": dict(COUNTS["replays"]),
+                    "stage": _percentiles(STAGE["seconds"]),
+                    "prefill_call": {k: io1[k] - io0[k] for k in io0},
+                    "per_step": {k: round((io2[k] - io1[k]) / steps, 1) for k in io0},
+                    "window": {k: io2[k] - io1[k] for k in io0},
+                }
+                ids[name] = [list(o.outputs[0].token_ids) for o in outs]
         t0 = time.perf_counter()
         residency[kind] = ple_warmup.status(ranges)
         residency[kind]["mincore_s"] = round(time.perf_counter() - t0, 2)
@@ -537,6 +556,7 @@ def check_ple_scale(llm, cfg: dict) -> dict:
         "decode_tokens": n,
         "runs": runs,
         "ids": ids,
+        "distinct_ids_per_run": {k: [len(set(x)) for x in v] for k, v in ids.items()},
         "table_residency_after": residency,
         "memory": proc_memory(cfg.get("table_glob", "model-")),
         "cgroup": cgroup_memory(),
