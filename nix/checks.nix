@@ -86,8 +86,7 @@ let
     vllmPackage:
     let
       inherit (vllmPackage) version;
-      sdist =
-        vllmSdists.${version} or (throw "checks.nix: no sdist of vLLM ${version} in vllmSdists");
+      sdist = vllmSdists.${version} or (throw "checks.nix: no sdist of vLLM ${version} in vllmSdists");
       vllmSource = fetchurl (magpieLib.pinToFetchurlArgs registryFileBases sdist);
       seriesFiles = magpieLib.seriesPatches vllmPackage.patchSeries;
     in
@@ -187,6 +186,7 @@ releaseChecks
         touch "$out"
       '';
 
+  # nixpkgs' nixfmt through the lint step's own part, the one CI runs with the same release.
   formatting =
     runCommand "magpie-nixfmt"
       {
@@ -197,7 +197,7 @@ releaseChecks
       }
       ''
         cd ${src}
-        find . -name '*.nix' -print0 | xargs -0 nixfmt --check
+        NIXFMT=nixfmt bash tests/lint.sh nix
         touch "$out"
       '';
 }

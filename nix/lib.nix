@@ -388,9 +388,9 @@ rec {
         else
           throw "app ${name}: unknown interpreter ${app.interpreter}";
       pythonLines = concatStringsSep "" (
-        map (
-          var: "export ${var}=\"\${${var}:-${pythons.${app.pythonVars.${var}}}}\"\n"
-        ) (attrNames app.pythonVars)
+        map (var: "export ${var}=\"\${${var}:-${pythons.${app.pythonVars.${var}}}}\"\n") (
+          attrNames app.pythonVars
+        )
       );
       gpuLines =
         if app.gpu then

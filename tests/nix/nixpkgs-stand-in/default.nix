@@ -93,43 +93,46 @@ let
     "util-linux"
   ] tool;
 
-  base = final: tools // {
-    inherit lib config;
-    path = ./.;
-    stdenv = {
-      inherit mkDerivation;
-      hostPlatform.system = system;
-      cc = tool "gcc-wrapper" // {
-        cc = tool "gcc" // {
-          lib = tool "gcc-lib";
+  base =
+    final:
+    tools
+    // {
+      inherit lib config;
+      path = ./.;
+      stdenv = {
+        inherit mkDerivation;
+        hostPlatform.system = system;
+        cc = tool "gcc-wrapper" // {
+          cc = tool "gcc" // {
+            lib = tool "gcc-lib";
+          };
         };
       };
-    };
-    gcc14Stdenv = final.stdenv;
-    newScope = scope: lib.callPackageWith (final // scope);
-    callPackage = final.newScope { };
+      gcc14Stdenv = final.stdenv;
+      newScope = scope: lib.callPackageWith (final // scope);
+      callPackage = final.newScope { };
 
-    fetchurl =
-      args:
-      assert args ? hash && (args ? url || args ? urls);
-      derivationNamed (args.name or "fetched") { inherit (args) hash; };
-    runCommand =
-      name: env: buildCommand:
-      mkDerivation (env // { inherit name buildCommand; });
-    writeShellApplication =
-      args:
-      assert builtins.isString args.text;
-      mkDerivation {
-        inherit (args) name;
-        meta = (args.meta or { }) // {
-          mainProgram = args.name;
+      fetchurl =
+        args:
+        assert args ? hash && (args ? url || args ? urls);
+        derivationNamed (args.name or "fetched") { inherit (args) hash; };
+      runCommand =
+        name: env: buildCommand:
+        mkDerivation (env // { inherit name buildCommand; });
+      writeShellApplication =
+        args:
+        assert builtins.isString args.text;
+        mkDerivation {
+          inherit (args) name;
+          meta = (args.meta or { }) // {
+            mainProgram = args.name;
+          };
+          inherit (args) text;
+          inheritPath = args.inheritPath or true;
         };
-        inherit (args) text;
-        inheritPath = args.inheritPath or true;
-      };
-    mkShell = args: mkDerivation (args // { name = "nix-shell"; });
-    python312 = makePython "3.12";
-  };
+      mkShell = args: mkDerivation (args // { name = "nix-shell"; });
+      python312 = makePython "3.12";
+    };
 
   # The overlays in order over the base set, each seeing the final set (as nixpkgs does).
   pkgs = builtins.foldl' (prev: overlay: prev // overlay pkgs prev) (base pkgs) overlays;
