@@ -125,6 +125,12 @@ in
   sourceTypes.binaryNativeCode.shortName = "binaryNativeCode";
   fileset = {
     unions = paths: paths;
-    toSource = { root, fileset }: "${toString root}-filtered";
+    # A store path stand-in that keeps what it holds (tests/nix/test_sandbox_emulation.py copies it).
+    toSource =
+      { root, fileset }:
+      {
+        outPath = "${toString root}-filtered";
+        inherit root fileset;
+      };
   };
 }
