@@ -3,8 +3,9 @@ its callPackage, makeOverridable and makeScope behave as nixpkgs' lib/customisat
 
 What `nix flake check` looks at first: every `checks`, `packages`, `devShells` value is a
 derivation and `apps` values are apps, with no stray attribute such as `override` (which
-callPackage adds to any attribute set a file returns). The builders are fakes, so what is
-checked is the structure and the arguments the flake hands them, not a build.
+callPackage adds to any attribute set a file returns). The stand-in's packages are real
+`builtins.derivation`s that are never built (its rules: nixpkgs-stand-in/default.nix), so what
+is checked is the structure and the arguments the flake hands them, not a build.
 """
 
 from __future__ import annotations
