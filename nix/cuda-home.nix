@@ -2,14 +2,12 @@
 # tree the pinned NVIDIA wheels install (nvcc, headers, libcudart of the same closure as torch),
 # with the two things wheels lack: the lib64 layout FlashInfer links from, and a libcuda stub.
 {
-  stdenv,
-  runCommand,
-  python,
+  runCommandCC,
   wheelClosure,
 }:
-runCommand "cuda-home-from-wheels-${wheelClosure.version}"
+# runCommandCC: the libcuda stub below is linked with `cc`.
+runCommandCC "cuda-home-from-wheels-${wheelClosure.version}"
   {
-    nativeBuildInputs = [ stdenv.cc ];
     passthru.nvcc = "bin/nvcc";
   }
   ''

@@ -1,6 +1,7 @@
 # FlashInfer kernels built ahead of time for the chosen CUDA capabilities, packaged the way
-# FlashInfer looks for them: a `flashinfer_jit_cache` module whose get_jit_cache_dir() holds
-# <module>/<module>.so (flashinfer/jit/env.py prefers it over its own data/aot folder).
+# FlashInfer looks for them: a `flashinfer_jit_cache` module holding <module>/<module>.so, in
+# the interface of the pinned FlashInfer (magpieLib.flashinferJitCacheModule: 0.6's
+# get_jit_cache_dir(), 0.7's get_jit_cache_providers(), which FlashInfer calls at import).
 # Opt-in (packages.vllm-env-flashinfer-aot, or withFlashinferAot = true in the scope): it has
 # not been built yet anywhere. A kernel not built here is JIT-built at run time into
 # FLASHINFER_WORKSPACE_BASE (see app.nix).
@@ -26,12 +27,19 @@ let
   smTag = capability: "sm${magpieLib.capabilityDigits capability}";
   capabilityTag = lib.concatMapStringsSep "." smTag cudaCapabilities;
   buildPython = python.withPackages (_: [ wheelClosure ]);
+  version = "${flashinferVersion}+${capabilityTag}";
 in
 python.pkgs.toPythonModule (
   stdenv.mkDerivation {
     pname = "flashinfer-jit-cache";
-    # FlashInfer accepts a cache whose version starts with its own.
-    version = "${flashinferVersion}+${capabilityTag}";
+    # FlashInfer accepts a cache whose version is its own followed by `+`.
+    inherit version;
+
+    jitCacheModule = magpieLib.flashinferJitCacheModule {
+      inherit flashinferVersion version;
+      description = "FlashInfer ${flashinferVersion} kernels built ahead of time for ${capabilityTag} by magpie-vllm-plugins.";
+    };
+    passAsFile = [ "jitCacheModule" ];
 
     dontUnpack = true;
     dontConfigure = true;
@@ -73,17 +81,26 @@ python.pkgs.toPythonModule (
       module="$out/${python.sitePackages}/flashinfer_jit_cache"
       mkdir -p "$module"
       cp -r kernels "$module/jit_cache"
-      cat > "$module/__init__.py" <<PY
-      """FlashInfer ${flashinferVersion} kernels built ahead of time for ${capabilityTag} by magpie-vllm-plugins."""
-      import os
-
-      __version__ = "$version"
-
-
-      def get_jit_cache_dir():
-          return os.path.join(os.path.dirname(__file__), "jit_cache")
-      PY
+      cp "$jitCacheModulePath" "$module/__init__.py"
+      # The targets nvcc built for, named by FlashInfer's own CompilationContext from the same
+      # FLASHINFER_CUDA_ARCH_LIST (its suffixes depend on the CUDA version: 12.0 -> sm120f).
+      ${buildPython.interpreter} -c 'import json, sys; from flashinfer.compilation_context import CompilationContext; json.dump(sorted(f"sm{major}{minor}" for major, minor in CompilationContext().TARGET_CUDA_ARCHS), sys.stdout)' >"$module/cuda_architectures.json"
       runHook postInstall
+    '';
+
+    # FlashInfer itself finds the installed kernels (0.7 calls get_jit_cache_providers() while
+    # `import flashinfer` runs; 0.6 reads get_jit_cache_dir()).
+    doInstallCheck = true;
+    installCheckPhase = ''
+      runHook preInstallCheck
+      PYTHONPATH="$out/${python.sitePackages}" ${buildPython.interpreter} -c '
+      import pathlib, flashinfer.jit.env as env, flashinfer_jit_cache as cache
+      wanted = pathlib.Path(cache.get_jit_cache_dir())
+      providers = getattr(env, "FLASHINFER_AOT_PROVIDERS", None)
+      found = [env.FLASHINFER_AOT_DIR] if providers is None else [p.jit_cache_dir for p in providers]
+      assert wanted in found, f"FlashInfer does not see {wanted}: {found}"
+      '
+      runHook postInstallCheck
     '';
 
     preFixup = ''

@@ -207,14 +207,15 @@ rec {
   # ---------------------------------------------------------------------------------------
   # CUDA capabilities
 
-  # "12.1" -> "121"; refuses anything that is not MAJOR.MINOR.
+  # "12.1" -> "121", "9.0a" -> "90a": MAJOR.MINOR with the suffix nixpkgs' cudaCapabilities and
+  # nvcc know ("a" architecture-specific, "f" family-specific); refuses anything else.
   capabilityDigits =
     capability:
     let
-      m = match "([0-9]+)\\.([0-9]+)" capability;
+      m = match "([0-9]+)\\.([0-9]+)([af]?)" capability;
     in
     if m == null then
-      throw "CUDA capability `${capability}` is not MAJOR.MINOR (e.g. 12.1)"
+      throw "CUDA capability `${capability}` is not MAJOR.MINOR with an optional a or f suffix (e.g. 12.1, 9.0a)"
     else
       concatStringsSep "" m;
 
@@ -227,6 +228,32 @@ rec {
       capabilities
     else
       throw "unreachable";
+
+  # The `flashinfer_jit_cache` module FlashInfer looks for, in the interface of the FlashInfer
+  # release it serves: 0.6 reads get_jit_cache_dir(), 0.7 calls get_jit_cache_providers() at
+  # import (nix/flashinfer-jit-cache/, each read from that release's own flashinfer/jit/env.py).
+  # A release whose interface has not been read is refused, not guessed.
+  flashinferJitCacheModule =
+    {
+      flashinferVersion,
+      version,
+      description,
+    }:
+    let
+      parts = splitVersion flashinferVersion;
+      series = if length parts < 2 then "" else "${head parts}.${builtins.elemAt parts 1}";
+      templates = {
+        "0.6" = ./flashinfer-jit-cache/flashinfer_0_6.py;
+        "0.7" = ./flashinfer-jit-cache/flashinfer_0_7.py;
+      };
+      template =
+        templates.${series}
+          or (throw "no flashinfer_jit_cache interface for FlashInfer ${flashinferVersion}: read its flashinfer/jit/env.py and add nix/flashinfer-jit-cache/flashinfer_<major>_<minor>.py (known: ${concatStringsSep ", " (attrNames templates)})");
+    in
+    builtins.replaceStrings
+      [ "@description@" "@version@" "@distribution@" ]
+      [ description version "flashinfer-jit-cache" ]
+      (readFile template);
 
   # FlashInfer reads a space-separated list (FLASHINFER_CUDA_ARCH_LIST, "12.1 9.0"); torch's
   # extension builder a semicolon-separated one (TORCH_CUDA_ARCH_LIST).
@@ -388,9 +415,9 @@ rec {
         else
           throw "app ${name}: unknown interpreter ${app.interpreter}";
       pythonLines = concatStringsSep "" (
-        map (
-          var: "export ${var}=\"\${${var}:-${pythons.${app.pythonVars.${var}}}}\"\n"
-        ) (attrNames app.pythonVars)
+        map (var: "export ${var}=\"\${${var}:-${pythons.${app.pythonVars.${var}}}}\"\n") (
+          attrNames app.pythonVars
+        )
       );
       gpuLines =
         if app.gpu then

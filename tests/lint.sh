@@ -11,12 +11,14 @@
 #            (default .cache/sdist, which tests/env/setup.sh fills); the files go into vLLM's
 #            tree, so they follow vLLM's rules (line length 88, its rule set), not the project's
 #   shell    ShellCheck over every *.sh file and .ci/run
-#   nix      nixfmt's layout rules over every *.nix file (tests/nix/nix_layout.py; nixfmt
-#            itself is on no registry reachable here, `nix flake check` runs it)
+#   nix      nixfmt --check over every *.nix file: $NIXFMT, else the nixfmt 1.4.0 kept beside
+#            the checkout (../shared/tools/nixfmt/nixfmt: nixfmt is on no registry reachable
+#            here); without either the part says it was skipped (`nix flake check` runs nixpkgs'
+#            nixfmt through this part too)
 #
 # Files: git's tracked files in a checkout; in a plain copy of the source (the flake's build
 # sandbox, which gets exactly the tracked files) every file outside .git, .venv and .cache.
-# Tools: $RUFF, $SHELLCHECK, $PYTHON, else the test venv's (.venv/bin), else the ones on PATH.
+# Tools: $RUFF, $SHELLCHECK, $PYTHON, $NIXFMT, else the test venv's (.venv/bin), else the ones on PATH.
 # $LINT_PATCHES_DIR: the series root to lint (default: patches/).
 set -euo pipefail
 
@@ -93,10 +95,21 @@ lint_shell() {
 }
 
 lint_nix() {
-    local nix_files
+    local nix_files nixfmt=${NIXFMT:-}
+    if [ -z "$nixfmt" ]; then
+        nixfmt="$root/../shared/tools/nixfmt/nixfmt"
+        if [ ! -x "$nixfmt" ]; then
+            echo "lint: SKIPPED nixfmt: no $nixfmt (the nixfmt 1.4.0 kept beside the checkout)" \
+                "and NIXFMT is unset; the .nix files were not format-checked" >&2
+            return 0
+        fi
+    elif ! command -v "$nixfmt" >/dev/null; then
+        echo "lint: NIXFMT=$nixfmt is not an executable nixfmt" >&2
+        return 2
+    fi
     mapfile -t nix_files < <(files '*.nix')
-    echo "lint: nixfmt's layout rules over ${#nix_files[@]} Nix files"
-    "$python" "$root/tests/nix/nix_layout.py" "${nix_files[@]}"
+    echo "lint: $("$nixfmt" --version) --check over ${#nix_files[@]} Nix files"
+    "$nixfmt" --check "${nix_files[@]}"
 }
 
 parts=("$@")

@@ -14,7 +14,8 @@ cd "$root"
 # Lint first: it takes seconds and fails fast. tests/lint.sh says which files each linter sees
 # (the flake's checks run the same script): ruff and ShellCheck at the versions
 # tests/env/requirements.txt pins (the venv's), ruff over the Python the patches ship (with the
-# ruff settings of the vLLM release each series is for), and nixfmt's layout rules.
+# ruff settings of the vLLM release each series is for), and nixfmt (the 1.4.0 beside the
+# checkout, ../shared/tools/nixfmt; the part says so when it is not there).
 "$root/tests/lint.sh"
 
 # pytest exits 5 when it collected no test: that is a failure here, as any non-zero exit is.

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.nix.nixeval import EXPECTED_APPS, REPO, nix_eval, shellcheck
+from tests.nix.test_flake_outputs import flake_eval
 
 DRIVER_SCRIPT = REPO / "magpie" / "nix" / "nvidia-driver-libs.sh"
 MACHINE = platform.machine()
@@ -148,23 +149,43 @@ def test_concurrent_launches_all_get_one_complete_folder(tmp_path):
 
 
 def write_wrapper(tmp_path: Path, name: str, src: Path, gpu_env: bool = True) -> Path:
-    """The wrapper writeShellApplication builds: its header plus magpieLib.wrapperText."""
+    """The wrapper as writeShellApplication writes it (the stand-in's, nixpkgs' header) around
+    magpieLib.wrapperText, with its shebang on the bash found on PATH, as nixpkgs puts its own
+    bash there (`#!${runtimeShell}`): never /usr/bin/env, which the build sandbox lacks."""
     text = nix_eval(
+        'let pkgs = import (/. + standIn) { system = "x86_64-linux"; }; in '
+        "(pkgs.writeShellApplication { inherit name; text = "
         "lib.wrapperText { inherit name src envPython stdlibPython driverLibs; "
         'gpuEnv = lib.gpuEnvText { inherit cudaHome; capabilities = [ "12.1" ]; cc = "/usr/bin/gcc"; '
-        'cxx = "/usr/bin/g++"; }; }',
+        'cxx = "/usr/bin/g++"; }; }; }).text',
+        standIn=str(REPO / "tests" / "nix" / "nixpkgs-stand-in"),
         name=name,
         src=str(src),
         envPython=sys.executable,
         stdlibPython=sys.executable,
-        driverLibs=str(DRIVER_SCRIPT),
+        driverLibs=str(driver_program(tmp_path)),
         cudaHome="/nix/store/fake-cuda-home",
     )
-    path = tmp_path / "bin" / name
+    return install_script(tmp_path / "bin" / name, text)
+
+
+def install_script(path: Path, text: str) -> Path:
+    """A writeShellApplication's file, its shebang (the stand-in's bash) on the bash on PATH."""
+    bash = shutil.which("bash")
+    assert bash, "no bash on PATH"
+    shebang, body = text.split("\n", 1)
+    assert re.fullmatch("#!/nix/store/[0-9a-z]{32}-bash/bin/bash", shebang), shebang
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/usr/bin/env bash\nset -o errexit\nset -o nounset\nset -o pipefail\n\n" + text)
+    path.write_text(f"#!{bash}\n{body}")
     path.chmod(0o755)
     return path
+
+
+def driver_program(tmp_path: Path) -> Path:
+    """bin/nvidia-driver-libs as nix/driver.nix builds it (writeShellApplication around the
+    script), as the app wrappers call it."""
+    text = flake_eval('(scope "x86_64-linux").nvidiaDriverLibs.text')
+    return install_script(tmp_path / "driver" / "bin" / "nvidia-driver-libs", text)
 
 
 APPS = list(EXPECTED_APPS)

@@ -3,8 +3,9 @@ its callPackage, makeOverridable and makeScope behave as nixpkgs' lib/customisat
 
 What `nix flake check` looks at first: every `checks`, `packages`, `devShells` value is a
 derivation and `apps` values are apps, with no stray attribute such as `override` (which
-callPackage adds to any attribute set a file returns). The builders are fakes, so what is
-checked is the structure and the arguments the flake hands them, not a build.
+callPackage adds to any attribute set a file returns). The stand-in's packages are real
+`builtins.derivation`s that are never built (its rules: nixpkgs-stand-in/default.nix), so what
+is checked is the structure and the arguments the flake hands them, not a build.
 """
 
 from __future__ import annotations
@@ -204,14 +205,20 @@ def test_release_series_check_patches_that_releases_sdist():
 
 
 def test_app_wrappers_run_on_their_listed_tools_only():
-    wrappers = flake_eval(
-        'let s = scope "aarch64-linux"; in builtins.mapAttrs (_: apps: builtins.mapAttrs (_: w: w.inheritPath) apps) '
+    texts = flake_eval(
+        'let s = scope "aarch64-linux"; in builtins.mapAttrs (_: apps: builtins.mapAttrs (_: w: w.text) apps) '
         '{ default = s.apps; v033 = s.releases."0.33.0".apps; }'
     )
     # serve-flash-next, sweep (which launches it) and memguard call the host driver's nvidia-smi,
-    # after their own tools; the same in every release's scope.
-    for apps in wrappers.values():
-        assert apps == {name: name in {"serve-flash-next", "sweep", "memguard"} for name in EXPECTED_APPS}
+    # after their own tools; the same in every release's scope. writeShellApplication's PATH line
+    # (its header's fourth line after the shebang and three `set -o`) ends in `:$PATH` for those.
+    for apps in texts.values():
+        assert set(apps) == set(EXPECTED_APPS)
+        for name, text in apps.items():
+            lines = text.splitlines()
+            assert lines[1:4] == ["set -o errexit", "set -o nounset", "set -o pipefail"], name
+            assert lines[5].startswith('export PATH="/nix/store/'), name
+            assert lines[5].endswith(':$PATH"') == (name in {"serve-flash-next", "sweep", "memguard"}), name
 
 
 def test_default_environment_leaves_flashinfer_aot_out_and_the_opt_in_has_it():

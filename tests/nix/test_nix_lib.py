@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -145,6 +146,16 @@ def test_cuda_capabilities():
     assert defaults == {"aarch64-linux": ["12.1"], "x86_64-linux": ["9.0", "10.0", "12.0"]}
     with pytest.raises(NixError, match="CUDA capability `sm_121` is not MAJOR.MINOR"):
         nix_eval('lib.flashinferArchList [ "sm_121" ]')
+
+
+def test_suffixed_cuda_capabilities_nixpkgs_accepts_are_accepted():
+    """nixpkgs' cudaCapabilities name architecture- and family-specific targets ("9.0a", "10.0f")."""
+    assert nix_eval('map lib.capabilityDigits [ "9.0a" "12.1a" "10.0f" "12.1" ]') == ["90a", "121a", "100f", "121"]
+    assert nix_eval('lib.flashinferArchList [ "9.0a" "12.1a" ]') == "9.0a 12.1a"
+    assert nix_eval('lib.torchArchList [ "9.0a" "12.1a" ]') == "9.0a;12.1a"
+    for bad in ("12.1b", "12", "12.1a+PTX"):
+        with pytest.raises(NixError, match=f"CUDA capability `{re.escape(bad)}` is not MAJOR.MINOR"):
+            nix_eval("lib.capabilityDigits c", c=bad)
 
 
 def test_app_table_names_each_script():

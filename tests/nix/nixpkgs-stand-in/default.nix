@@ -1,7 +1,17 @@
-# A stand-in for `import nixpkgs { system; overlays; config; }` with only what the flake reads:
-# the attributes (names checked against nixpkgs' sources, see docs/nix.md) are fake derivations
-# whose builders record their arguments, so the flake's outputs can be evaluated, named and
-# type-checked without nixpkgs. Nothing here builds.
+# A stand-in for `import nixpkgs { system; overlays; config; }` with only what the flake reads,
+# as strict as nixpkgs where the flake depends on it (each rule read from nixpkgs' sources,
+# docs/nix.md names them):
+# - every package is a real `builtins.derivation`, so Nix itself coerces its attributes (a set or
+#   a function where nixpkgs needs a string fails here as it does there); nothing is built;
+# - `runCommand` builds on stdenvNoCC (no C compiler: `stdenv.cc` is null), `runCommandCC` on
+#   stdenv; every derivation keeps its `stdenv`, whose `initialPath` lists the tools a build
+#   finds on PATH besides its inputs (tests/nix/test_sandbox_emulation.py runs a check that way);
+# - `fetchurl`, `writeTextFile` and `writeShellApplication` take nixpkgs' closed argument sets;
+#   writeShellApplication writes nixpkgs' header (`#!${runtimeShell}`, `set -o` per option, its
+#   PATH line) and keeps the checkPhase nixpkgs runs on the result (`bash -n`, ShellCheck);
+# - licenses carry `free`, and a package with an unfree license is refused (its outPath and
+#   drvPath throw, as check-meta makes them) unless config.allowUnfree or
+#   config.allowUnfreePredicate lets it through.
 {
   system,
   overlays ? [ ],
@@ -9,41 +19,107 @@
 }:
 let
   lib = import ./lib.nix;
+  inherit (builtins) concatStringsSep;
 
-  derivationNamed =
-    name: extra:
+  unfreeLicenses =
+    license:
     let
-      drv = {
-        type = "derivation";
-        inherit name system;
-        outPath = "/nix/store/00000000000000000000000000000000-${name}";
-        drvPath = "/nix/store/00000000000000000000000000000000-${name}.drv";
-        meta = { };
-        # As in nixpkgs, the result is another derivation: a new name gives a new store path.
-        overrideAttrs =
-          f:
-          let
-            attrs = extra // f drv;
-          in
-          derivationNamed (attrs.name or name) attrs;
-      }
-      // extra;
+      licenses = if builtins.isList license then license else [ license ];
     in
-    drv;
+    builtins.filter (l: !(l.free or true)) licenses;
 
-  mkDerivation =
-    args:
+  allowedUnfree =
+    attrs: config.allowUnfree or false || (config.allowUnfreePredicate or (_: false)) attrs;
+
+  # stdenv.mkDerivation: the attributes, minus meta and passthru, go to builtins.derivation; the
+  # result also holds meta, passthru, stdenv and overrideAttrs, as nixpkgs' does.
+  mkDerivationWith =
+    stdenv: args:
     let
       name = args.name or "${args.pname}-${args.version}";
+      meta = args.meta or { };
+      passthru = args.passthru or { };
+      drvAttrs = builtins.removeAttrs args [
+        "meta"
+        "passthru"
+      ];
+      drv = builtins.derivation (
+        drvAttrs
+        // {
+          inherit name system;
+          builder = stdenv.shell;
+          args = [
+            "-e"
+            "stand-in-default-builder.sh"
+          ];
+          stdenvName = stdenv.name;
+        }
+      );
+      unfree = unfreeLicenses (meta.license or [ ]);
+      refusal = throw "Package ‘${name}’ in the nixpkgs stand-in has an unfree license (‘${
+        concatStringsSep "’, ‘" (map (l: l.shortName) unfree)
+      }’), refusing to evaluate (set config.allowUnfree or config.allowUnfreePredicate).";
+      valid = unfree == [ ] || allowedUnfree args;
     in
-    derivationNamed name (args // (args.passthru or { }));
+    drv
+    // passthru
+    // {
+      inherit meta passthru stdenv;
+      outPath = if valid then drv.outPath else refusal;
+      drvPath = if valid then drv.drvPath else refusal;
+      overrideAttrs = f: mkDerivationWith stdenv (args // f args);
+    };
 
+  # A package of nixpkgs the flake only names (a tool on a PATH, a hook).
   tool =
     name:
-    derivationNamed name {
+    mkDerivationWith stdenvNoCC {
       pname = name;
+      version = "stand-in";
+      inherit name;
       meta.mainProgram = name;
     };
+
+  # pkgs/stdenv/generic/common-path.nix, and patchelf, which stdenv/linux adds to every stdenv.
+  initialPathNames = [
+    "coreutils"
+    "findutils"
+    "diffutils"
+    "gnused"
+    "gnugrep"
+    "gawk"
+    "gnutar"
+    "gzip"
+    "bzip2"
+    "gnumake"
+    "bash"
+    "patch"
+    "xz"
+    "file"
+    "patchelf"
+  ];
+
+  stdenvNoCC = {
+    name = "stdenv-linux";
+    shell = "/nix/store/00000000000000000000000000000000-bash-stand-in/bin/bash";
+    # stdenv.shellDryRun: how writeShellScript and writeShellApplication check a script.
+    shellDryRun = "${stdenvNoCC.shell} -n -O extglob";
+    initialPath = map tool initialPathNames;
+    hostPlatform.system = system;
+    buildPlatform.system = system;
+    cc = null;
+    hasCC = false;
+    mkDerivation = mkDerivationWith stdenvNoCC;
+  };
+  stdenv = stdenvNoCC // {
+    cc = tool "gcc-wrapper" // {
+      cc = tool "gcc" // {
+        lib = tool "gcc-lib";
+      };
+    };
+    hasCC = true;
+    mkDerivation = mkDerivationWith stdenv;
+  };
 
   makePython =
     pythonVersion:
@@ -51,16 +127,29 @@ let
       python = tool "python3" // {
         inherit pythonVersion;
         sitePackages = "lib/python${pythonVersion}/site-packages";
-        interpreter = "/nix/store/00000000000000000000000000000000-python3/bin/python3";
+        interpreter = "${tool "python3"}/bin/python3";
         pythonOnBuildForHost = python;
         withPackages =
           f:
-          derivationNamed "python3-env" {
-            packagesGiven = f python.pkgs;
-            interpreter = "/nix/store/00000000000000000000000000000000-python3-env/bin/python3";
-          };
+          let
+            env = stdenv.mkDerivation {
+              name = "python3-${pythonVersion}-env";
+              passthru.packagesGiven = f python.pkgs;
+            };
+          in
+          env // { interpreter = "${env}/bin/python3"; };
         pkgs = {
-          buildPythonPackage = args: mkDerivation (builtins.removeAttrs args [ "format" ]);
+          buildPythonPackage =
+            args:
+            stdenv.mkDerivation (
+              builtins.removeAttrs args [
+                "format"
+                "dependencies"
+              ]
+              // {
+                propagatedBuildInputs = args.dependencies or [ ];
+              }
+            );
           toPythonModule = drv: drv;
           pypaInstallHook = tool "pypa-install-hook";
           wheel = tool "wheel";
@@ -89,47 +178,241 @@ let
     "procps"
     "ruff"
     "shellcheck"
+    "shellcheck-minimal"
     "unzip"
     "util-linux"
   ] tool;
 
-  base = final: tools // {
-    inherit lib config;
-    path = ./.;
-    stdenv = {
-      inherit mkDerivation;
-      hostPlatform.system = system;
-      cc = tool "gcc-wrapper" // {
-        cc = tool "gcc" // {
-          lib = tool "gcc-lib";
-        };
-      };
+  # pkgs/build-support/trivial-builders/default.nix
+  runCommandWith =
+    {
+      stdenv,
+      name,
+      derivationArgs ? { },
+    }:
+    buildCommand:
+    stdenv.mkDerivation (
+      {
+        enableParallelBuilding = true;
+        inherit buildCommand name;
+        passAsFile = [ "buildCommand" ] ++ (derivationArgs.passAsFile or [ ]);
+      }
+      // builtins.removeAttrs derivationArgs [ "passAsFile" ]
+    );
+  runCommand =
+    name: env:
+    runCommandWith {
+      stdenv = stdenvNoCC;
+      inherit name;
+      derivationArgs = env;
     };
-    gcc14Stdenv = final.stdenv;
-    newScope = scope: lib.callPackageWith (final // scope);
-    callPackage = final.newScope { };
+  runCommandCC =
+    name: env:
+    runCommandWith {
+      inherit stdenv name;
+      derivationArgs = env;
+    };
 
-    fetchurl =
-      args:
-      assert args ? hash && (args ? url || args ? urls);
-      derivationNamed (args.name or "fetched") { inherit (args) hash; };
-    runCommand =
-      name: env: buildCommand:
-      mkDerivation (env // { inherit name buildCommand; });
-    writeShellApplication =
-      args:
-      assert builtins.isString args.text;
-      mkDerivation {
-        inherit (args) name;
-        meta = (args.meta or { }) // {
-          mainProgram = args.name;
-        };
-        inherit (args) text;
-        inheritPath = args.inheritPath or true;
-      };
-    mkShell = args: mkDerivation (args // { name = "nix-shell"; });
-    python312 = makePython "3.12";
-  };
+  writeTextFile =
+    {
+      name,
+      text,
+      executable ? false,
+      destination ? "",
+      checkPhase ? "",
+      meta ? { },
+      passthru ? { },
+      allowSubstitutes ? false,
+      preferLocalBuild ? true,
+      derivationArgs ? { },
+    }:
+    assert destination != "" -> (builtins.substring 0 1 destination == "/" && destination != "/");
+    let
+      matches = builtins.match "/bin/([^/]+)" destination;
+    in
+    runCommand name (
+      {
+        inherit
+          text
+          executable
+          checkPhase
+          allowSubstitutes
+          preferLocalBuild
+          destination
+          ;
+        passAsFile = [ "text" ] ++ derivationArgs.passAsFile or [ ];
+        meta =
+          (if executable && matches != null then { mainProgram = builtins.head matches; } else { })
+          // meta
+          // derivationArgs.meta or { };
+        passthru = passthru // derivationArgs.passthru or { };
+      }
+      // builtins.removeAttrs derivationArgs [
+        "passAsFile"
+        "meta"
+        "passthru"
+      ]
+    ) "target=$out${lib.escapeShellArg destination}";
+
+  runtimeShell = "${tools.bash}/bin/bash";
+  makeBinPath = packages: concatStringsSep ":" (map (p: "${p}/bin") packages);
+
+  writeShellApplication =
+    {
+      name,
+      text,
+      runtimeInputs ? [ ],
+      runtimeEnv ? null,
+      meta ? { },
+      passthru ? { },
+      checkPhase ? null,
+      excludeShellChecks ? [ ],
+      extraShellCheckFlags ? [ ],
+      bashOptions ? [
+        "errexit"
+        "nounset"
+        "pipefail"
+      ],
+      derivationArgs ? { },
+      inheritPath ? true,
+    }:
+    assert builtins.isString text;
+    assert runtimeEnv == null; # the flake sets none; nixpkgs' quoting of it is not copied here
+    writeTextFile {
+      inherit
+        name
+        meta
+        passthru
+        derivationArgs
+        ;
+      executable = true;
+      destination = "/bin/${name}";
+      allowSubstitutes = true;
+      preferLocalBuild = false;
+      text = ''
+        #!${runtimeShell}
+        ${concatStringsSep "\n" (map (option: "set -o ${option}") bashOptions)}
+      ''
+      + (
+        if runtimeInputs != [ ] then
+          ''
+
+            export PATH="${makeBinPath runtimeInputs}${if inheritPath then ":$PATH" else ""}"
+          ''
+        else
+          ""
+      )
+      + ''
+
+        ${text}
+      '';
+      checkPhase =
+        let
+          excludeFlags =
+            if excludeShellChecks != [ ] then
+              [
+                "--exclude"
+                (concatStringsSep "," excludeShellChecks)
+              ]
+            else
+              [ ];
+        in
+        if checkPhase == null then
+          ''
+            runHook preCheck
+            ${stdenvNoCC.shellDryRun} "$target"
+            ${lib.getExe tools.shellcheck-minimal} ${
+              concatStringsSep " " (map lib.escapeShellArg (excludeFlags ++ extraShellCheckFlags))
+            } "$target"
+            runHook postCheck
+          ''
+        else
+          checkPhase;
+    };
+
+  # pkgs/build-support/fetchurl/default.nix: a fixed-output derivation of the given hash.
+  fetchurl =
+    {
+      url ? "",
+      urls ? [ ],
+      curlOpts ? "",
+      curlOptsList ? [ ],
+      name ? null,
+      pname ? null,
+      version ? null,
+      hash ? "",
+      outputHash ? "",
+      outputHashAlgo ? "",
+      sha1 ? "",
+      sha256 ? "",
+      sha512 ? "",
+      recursiveHash ? false,
+      netrcPhase ? null,
+      netrcImpureEnvVars ? [ ],
+      postFetch ? "",
+      downloadToTemp ? false,
+      executable ? false,
+      showURLs ? false,
+      meta ? { },
+      passthru ? { },
+      preferLocalBuild ? true,
+      nativeBuildInputs ? [ ],
+      derivationArgs ? { },
+    }:
+    let
+      allUrls =
+        if urls != [ ] && url == "" then
+          urls
+        else if urls == [ ] && url != "" then
+          [ url ]
+        else
+          throw "fetchurl requires either `url` or `urls` to be set";
+      colon = builtins.match "([^:]+):(.*)" hash;
+    in
+    assert
+      hash != "" || throw "fetchurl requires a hash for fixed-output derivation: ${toString allUrls}";
+    stdenvNoCC.mkDerivation {
+      name = if name != null then name else baseNameOf (builtins.head allUrls);
+      urls = allUrls;
+      outputHashMode = if recursiveHash || executable then "recursive" else "flat";
+      outputHashAlgo = if colon == null then null else builtins.head colon;
+      outputHash = if colon == null then hash else builtins.elemAt colon 1;
+      inherit meta passthru preferLocalBuild;
+    };
+
+  mkShell =
+    args:
+    stdenv.mkDerivation (
+      builtins.removeAttrs args [ "packages" ]
+      // {
+        name = args.name or "nix-shell";
+        nativeBuildInputs = (args.nativeBuildInputs or [ ]) ++ (args.packages or [ ]);
+      }
+    );
+
+  base =
+    final:
+    tools
+    // {
+      inherit
+        lib
+        config
+        stdenv
+        stdenvNoCC
+        runCommand
+        runCommandCC
+        writeTextFile
+        writeShellApplication
+        fetchurl
+        mkShell
+        runtimeShell
+        ;
+      path = ./.;
+      gcc14Stdenv = final.stdenv;
+      newScope = scope: lib.callPackageWith (final // scope);
+      callPackage = final.newScope { };
+      python312 = makePython "3.12";
+    };
 
   # The overlays in order over the base set, each seeing the final set (as nixpkgs does).
   pkgs = builtins.foldl' (prev: overlay: prev // overlay pkgs prev) (base pkgs) overlays;

@@ -103,15 +103,34 @@ in
       builtins.substring n (builtins.stringLength text - n) text
     else
       text;
+  # lib/licenses.nix: `free` is what check-meta reads to refuse an unfree package.
   licenses = {
-    asl20.shortName = "asl20";
-    bsd3.shortName = "bsd3";
-    mit.shortName = "mit";
-    unfreeRedistributable.shortName = "unfreeRedistributable";
+    asl20 = {
+      shortName = "asl20";
+      free = true;
+    };
+    bsd3 = {
+      shortName = "bsd3";
+      free = true;
+    };
+    mit = {
+      shortName = "mit";
+      free = true;
+    };
+    unfreeRedistributable = {
+      shortName = "unfreeRedistributable";
+      free = false;
+    };
   };
   sourceTypes.binaryNativeCode.shortName = "binaryNativeCode";
   fileset = {
     unions = paths: paths;
-    toSource = { root, fileset }: "${toString root}-filtered";
+    # A store path stand-in that keeps what it holds (tests/nix/test_sandbox_emulation.py copies it).
+    toSource =
+      { root, fileset }:
+      {
+        outPath = "${toString root}-filtered";
+        inherit root fileset;
+      };
   };
 }
