@@ -254,7 +254,30 @@ def write_manifest(folder: Path, extra: dict) -> dict:
     return manifest
 
 
+# What prepare's site part imports on this machine (the suites' models are built with them).
+PREPARE_NEEDS = ("torch", "transformers", "safetensors", "numpy", "tokenizers")
+
+
+def check_prepare_python(parts: list[str], python: str = sys.executable) -> None:
+    """Refuse before any download when this interpreter cannot build the site's models."""
+    import importlib.util
+
+    if "site" not in parts:
+        return
+    missing = [name for name in PREPARE_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        venv = REPO / ".venv" / "bin" / "python"
+        hint = (
+            f"{venv} magpie gpu-harness prepare ..." if venv.exists() else "tests/env/setup.sh first (it makes .venv)"
+        )
+        raise HarnessError(
+            f"{python} has no {', '.join(missing)}: prepare builds the suites' models with them; "
+            f"run it with the test environment's Python: {hint} (--parts c,moe alone need only the standard library)"
+        )
+
+
 def cmd_prepare(args) -> int:
+    check_prepare_python(args.parts.split(","))
     dest = Path(args.dest)
     dl = dest / "dl"
     dl.mkdir(parents=True, exist_ok=True)

@@ -320,3 +320,35 @@ def test_a_bounded_cgroup_keeps_a_readers_page_cache_under_its_limit(tmp_path, m
         assert resident <= 0.3, resident  # 64 of 256 MiB at most, plus what the kernel left
     finally:
         Path(cg["path"]).rmdir()
+
+
+def test_prepare_under_a_python_without_torch_refuses_before_any_download(tmp_path):
+    """The newcomer's `python3 magpie gpu-harness prepare`: the base interpreter (no torch) is
+    refused at once with the interpreter to use, and nothing is downloaded or written."""
+    import subprocess
+    import sys
+
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    probe = subprocess.run([base, "-c", "import torch"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip(f"{base} has torch: no interpreter without it to try")
+    dest = tmp_path / "gpuh"
+    proc = subprocess.run(
+        [base, str(REPO / "magpie"), "gpu-harness", "prepare", "--suite", "mtp", "--dest", str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "has no torch" in proc.stderr and ".venv/bin/python magpie gpu-harness prepare" in proc.stderr
+    assert not dest.exists()
+
+
+def test_what_prepare_writes_is_ignored_by_git_so_no_call_carries_it_unasked():
+    """prepare's folder (the 316 MB wheel, kernels, work trees) is ignored by the repo's own
+    .gitignore: a device call sends tracked and untracked-not-ignored files only."""
+    import subprocess
+
+    for path in (".gpu-harness/dl/vllm.whl", ".gpu-harness/c/manifest.json", ".gpu-harness/ple/site/site.tar.xz"):
+        proc = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
+        assert proc.returncode == 0, f"{path} is not ignored by git"
