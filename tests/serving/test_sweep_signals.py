@@ -100,8 +100,9 @@ def test_sigterm_to_the_sweep_stops_its_server(tiny_mtp_model, tmp_path):
         server = LaunchedServer(run_dir)
         time.sleep(2)  # inside the bench's requests
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, read(log)
-        assert server.left() == [], "the sweep exited and left its server running"
+        code = proc.wait(timeout=120)
+        assert server.left() == [], f"the sweep exited ({code}) and left its server running"
+        assert code == 128 + signal.SIGTERM, read(log)
         text = read(log)
         assert "sweep: off: its server stopped" in text and "sweep: stopped by SIGTERM" in text, text
     finally:
@@ -134,8 +135,8 @@ def test_ctrl_c_under_tee_stops_the_server_although_the_pipe_is_dead(tiny_mtp_mo
         time.sleep(2)
         os.killpg(job.pid, signal.SIGINT)  # the terminal's Ctrl-C: to every process of the job
         wait_until(lambda: read(status).strip() != "", 120, "the sweep's exit")
+        assert server.left() == [], f"the sweep exited ({read(status).strip()}) and left its server running"
         assert read(status).strip() == "130", read(log)
-        assert server.left() == [], "the sweep exited and left its server running"
         job.wait(timeout=60)
     finally:
         if group_members(job.pid):
