@@ -292,11 +292,12 @@ def point_row(config: str, input_len: int, concurrency: int, repeat: int, result
 
 def pooled_engine_decode(results: list[dict]) -> float | None:
     """The engine's decode tok/s over several runs: (generated tokens - one first token per
-    request) / decode seconds, summed over the runs (not a mean of the runs' rates)."""
+    request) / decode seconds, summed over the runs (not a mean of the runs' rates). None when a
+    run lacks the sums (a server without them, or a run an older bench wrote into this folder)."""
     tokens = seconds = 0.0
     for result in results:
         s = result["summary"]
-        if not s["engine_decode_seconds"] or s["generation_tokens_counted_by_server"] is None:
+        if not s.get("engine_decode_seconds") or s.get("generation_tokens_counted_by_server") is None:
             return None
         tokens += s["generation_tokens_counted_by_server"] - s["engine_decode_requests"]
         seconds += s["engine_decode_seconds"]

@@ -22,6 +22,7 @@ import http.client
 import http.server
 import json
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -472,6 +473,21 @@ def test_sweep_rerun_skips_finished_runs_and_extends_the_grid(sweep_dir, server)
     # Other settings would mix two sweeps in one folder: refused.
     other = sweep_cmd(sweep_dir, "--server", f"mtp3={server.url}", "--output-len", "32", "--input-lens", "64")
     assert other.returncode != 0 and "output_len=12" in other.stderr
+
+
+def test_sweep_results_take_runs_an_older_bench_wrote_without_their_engine_sums(sweep_dir, tmp_path):
+    """A folder resumed across the bench-decode/3 change: its older runs have no engine sums."""
+    copy = tmp_path / "run"
+    shutil.copytree(sweep_dir, copy)
+    old = copy / "points" / "mtp3" / "in64-c1-r1.json"
+    result = json.loads(old.read_text())
+    result["schema"] = "flash-next/bench-decode/2"
+    del result["summary"]["engine_decode_seconds"], result["summary"]["engine_decode_requests"]
+    old.write_text(json.dumps(result))
+    document = sweep.write_results(str(copy), json.loads((copy / "sweep.json").read_text()))
+    rows = {(r["input_len"], r["concurrency"]): r for r in document["summary"] if r["config"] == "mtp3"}
+    assert rows[(64, 1)]["engine_decode_tok_s"] is None  # not pooled from a part of the runs
+    assert all(row["engine_decode_tok_s"] > 0 for key, row in rows.items() if key != (64, 1))
 
 
 def test_sweep_memory_gate_stops_before_a_run_and_keeps_the_rest(sweep_dir, server):
