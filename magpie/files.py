@@ -73,7 +73,7 @@ PROFILE_CAPTURE = "capture.json"  # profile_capture's summary of its windows, at
 
 # A sweep run folder (sweep.py's RUN_DIR)
 SWEEP_PLAN = "sweep.json"  # the plan the sweep runs (and resumes from)
-SWEEP_RESULTS = "results.json"  # every point's summary (flash-next/sweep/1)
+SWEEP_RESULTS = "results.json"  # every point's summary (flash-next/sweep/2)
 SWEEP_RESULTS_CSV = "results.csv"  # the same as a table
 SWEEP_POINTS_CSV = "points.csv"  # one row per measured point
 

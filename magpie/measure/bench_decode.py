@@ -2,12 +2,18 @@
 """Decode speed and MTP acceptance of a running vLLM server, measured the way a user feels it.
 
 Streams N chat requests at concurrency C (temperature 0, thinking off) after a warm-up, and
-reports per request: time to first token (TTFT) and decode tok/s (the tokens after the first
-chunk over the time from the first to the last token); overall: aggregate output tok/s; and from
-the `/metrics` counters before and after the run (the warm-up excluded): the decode tok/s the
-engine's own timestamps give (immune to a front-end that delivers chunks in bursts), the MTP
-acceptance length (1 + accepted / drafts), the acceptance rate (accepted / draft tokens) and
-the acceptance per draft position.
+reports per request the figures `vllm bench serve` reports, defined as it defines them: TTFT
+(to the first chunk with `choices`), TPOT ((E2E latency - TTFT) / (output tokens - 1)), ITL
+(the gap before every further chunk: under MTP one chunk is one engine step of several tokens)
+and E2E latency; overall: aggregate output tok/s (all output tokens over the run's wall time);
+and from the `/metrics` counters before and after the run (the warm-up excluded): decode tok/s
+from the engine's own timestamps, the MTP acceptance length (1 + accepted / drafts), the
+acceptance rate (accepted / draft tokens) and the acceptance per draft position.
+
+Decode tok/s is the engine's figure only. Client-side times measure when chunks reached the
+client: a front-end short of CPU can deliver a whole reply in a few milliseconds, and any rate
+taken over such a window (first to last chunk, or 1 / TPOT) then reads tens of thousands of
+tok/s. TPOT and ITL are still reported as vLLM defines them: they say what the client saw.
 
     python3 magpie bench-decode --url http://127.0.0.1:8100 -n 8 -c 1 --output c1.json
 
@@ -15,7 +21,7 @@ Prompts: a built-in set of realistic coding and agent requests (random tokens gi
 acceptance), or `--prompts FILE`: JSONL or a JSON list, each item a string, {"prompt": str} or
 {"messages": [...]}.
 
-Output (`--output`, schema "flash-next/bench-decode/1", documented in docs/serving.md): a
+Output (`--output`, schema "flash-next/bench-decode/3", documented in docs/serving.md): a
 summary first, the per-request records after; a table on stdout. A failed request is recorded
 and the run goes on. If the server dies, the results so far are written with
 "status": "server-died" and the exit code is 3 (interrupted: "interrupted", 130).
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import io
 import json
 import os
 import sys
@@ -32,9 +39,9 @@ import time
 
 from magpie import cli, files
 from magpie.serving import client as vllm_client
-from magpie.serving.metrics import GENERATION_TOKENS, MetricsSnapshot
+from magpie.serving.metrics import DECODE_TIME_COUNT, DECODE_TIME_SUM, GENERATION_TOKENS, MetricsSnapshot
 
-SCHEMA = "flash-next/bench-decode/2"
+SCHEMA = "flash-next/bench-decode/3"
 
 BUILTIN_PROMPTS = [
     "Write a Python function `merge_intervals(intervals)` that merges overlapping closed intervals given as "
@@ -113,13 +120,12 @@ def request_body(args, model: str, messages: list[dict]) -> dict:
     return body
 
 
-def finish_record(index: int, prompt_id: int, raw: dict, t0: float, min_decode_interval_s: float) -> dict:
+def finish_record(index: int, prompt_id: int, raw: dict, t0: float) -> dict:
     """The published per-request record (times relative to the start of the measured run).
 
-    TTFT, TPOT, ITL and E2E latency as `vllm bench serve` defines them (vllm_client.request_timing);
-    decode_tok_per_s is null, with decode_unmeasured_reason, when the stream shows no decode interval.
-    """
-    timing = vllm_client.request_timing(raw, min_decode_interval_s)
+    TTFT, TPOT, ITL and E2E latency as `vllm bench serve` defines them (vllm_client.request_timing;
+    its own decode-rate fields are not used: see the module docstring)."""
+    timing = vllm_client.request_timing(raw)
     end = raw["t_end"] or raw["t_last"] or raw["t_sent"]
     return {
         "index": index,
@@ -133,9 +139,6 @@ def finish_record(index: int, prompt_id: int, raw: dict, t0: float, min_decode_i
         "tpot_s": timing["tpot_s"],
         "itl_s": timing["itl_s"],
         "latency_s": timing["e2el_s"],
-        "decode_tok_per_s": timing["decode_tok_per_s"],
-        "decode_interval_s": timing["decode_interval_s"],
-        "decode_unmeasured_reason": None if timing["decode_tok_per_s"] else timing["decode_unmeasured_reason"],
         "prompt_tokens": raw["prompt_tokens"],
         "output_tokens": raw["completion_tokens"],
         "first_chunk_tokens": raw["first_chunk_tokens"],
@@ -148,16 +151,36 @@ def finish_record(index: int, prompt_id: int, raw: dict, t0: float, min_decode_i
     }
 
 
-def summarize(
-    records: list[dict], duration: float | None, spec: dict | None, generated: float | None, engine_decode: float | None
-) -> dict:
+def engine_decode(after: MetricsSnapshot, before: MetricsSnapshot) -> dict:
+    """The engine's decode figures between two /metrics pages: vLLM times each finished
+    request's decode from its first to its last token with the engine core's timestamps
+    (vllm:request_decode_time_seconds), which no delivery of chunks can shorten. The raw sums
+    are kept so that runs can be pooled (the sweep): tok/s = (tokens - requests) / seconds."""
+    return {
+        "tok_per_s": after.engine_decode_rate(before),
+        "seconds": after.delta(before, DECODE_TIME_SUM),
+        "requests": after.delta(before, DECODE_TIME_COUNT),
+        "generation_tokens": after.delta(before, GENERATION_TOKENS),
+    }
+
+
+def mtp_state(page: MetricsSnapshot | None) -> dict:
+    """Whether the server runs speculative decoding, read from /metrics before the run (its
+    counters exist from the start), so that a run whose /metrics cannot be read afterwards (the
+    server died) still says what it measured."""
+    if page is None:
+        return {"on": None, "num_speculative_tokens": None}
+    spec = page.spec_decode()
+    return {"on": spec is not None, "num_speculative_tokens": (spec or {}).get("num_speculative_tokens") or None}
+
+
+def summarize(records: list[dict], duration: float | None, spec: dict | None, engine: dict | None) -> dict:
     """The run's figures. ttft_ms / tpot_ms / itl_ms / e2el_ms follow `vllm bench serve`'s
     calculate_metrics: TTFT and E2EL of every completed request, TPOT of those with more than one
-    output token, ITL pooled over all requests' chunk gaps."""
+    output token, ITL pooled over all requests' chunk gaps. Decode tok/s: the engine's only."""
     ok = [r for r in records if r["ok"]]
     output_tokens = sum(r["output_tokens"] for r in records)
-    rates = [r["decode_tok_per_s"] for r in ok if r["decode_tok_per_s"]]
-    unmeasured = [r for r in ok if not r["decode_tok_per_s"]]
+    engine = engine or {}
     return {
         "requests": len(records),
         "completed": len(ok),
@@ -165,17 +188,33 @@ def summarize(
         "output_tokens": output_tokens,
         "duration_s": duration,
         "aggregate_output_tok_per_s": output_tokens / duration if duration else None,
-        "decode_tok_per_s": vllm_client.rate_stats(rates, len(unmeasured)),
-        "decode_unmeasured": [{"index": r["index"], "reason": r["decode_unmeasured_reason"]} for r in unmeasured],
         "ttft_s": vllm_client.stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
         "ttft_ms": vllm_client.latency_stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
         "tpot_ms": vllm_client.latency_stats([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
         "itl_ms": vllm_client.latency_stats([gap for r in ok for gap in r["itl_s"]]),
         "e2el_ms": vllm_client.latency_stats([r["latency_s"] for r in ok if r["latency_s"] is not None]),
-        "engine_decode_tok_per_s": engine_decode,
+        "engine_decode_tok_per_s": engine.get("tok_per_s"),
+        "engine_decode_seconds": engine.get("seconds"),
+        "engine_decode_requests": engine.get("requests"),
         "spec_decode": spec,
-        "generation_tokens_counted_by_server": generated,
+        "generation_tokens_counted_by_server": engine.get("generation_tokens"),
     }
+
+
+def write_lines(text: str, stream=None) -> bool:
+    """Print `text` to `stream` (default: stdout); when the reader has gone (a `| tee` or `| head`
+    that exited, e.g. with the Ctrl-C that stopped the run) the text is dropped and the stream
+    pointed at /dev/null, so neither this nor the interpreter's exit raises. False if dropped."""
+    stream = stream or sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+        return True
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError):  # not a real file descriptor (a test's StringIO)
+            pass
+        return False
 
 
 def _fmt(value, spec=".1f"):
@@ -193,8 +232,6 @@ def latency_line(name: str, figures: dict | None) -> str:
 def print_table(result: dict, out=sys.stdout) -> None:
     s = result["summary"]
     cfg = result["config"]
-    dec = s["decode_tok_per_s"] or {}
-    spec = s["spec_decode"] or {}
     print(f"bench_decode  {result['label'] or ''}  status={result['status']}", file=out)
     print(
         f"  requests {s['completed']}/{s['requests']} ok at concurrency {cfg['concurrency']}, "
@@ -204,25 +241,44 @@ def print_table(result: dict, out=sys.stdout) -> None:
     print(latency_line("TTFT ms", s["ttft_ms"]), file=out)
     print(latency_line("TPOT ms", s["tpot_ms"]), file=out)
     print(latency_line("ITL ms (per chunk)", s["itl_ms"]), file=out)
-    print(
-        f"  decode tok/s per request   median {_fmt(dec.get('median'))}  p10 {_fmt(dec.get('p10'))}  "
-        f"p90 {_fmt(dec.get('p90'))}  harmonic mean {_fmt(dec.get('harmonic_mean'))}  "
-        f"(measured {dec.get('n', 0)} of {s['completed']})",
-        file=out,
-    )
-    for item in s["decode_unmeasured"]:
-        print(f"    request {item['index']}: decode unmeasured: {item['reason']}", file=out)
-    print(f"  decode tok/s, engine times {_fmt(s['engine_decode_tok_per_s'])}", file=out)
-    print(f"  aggregate output tok/s     {_fmt(s['aggregate_output_tok_per_s'])}", file=out)
+    engine_note = "" if s["engine_decode_tok_per_s"] is not None else f" ({_engine_missing(result)})"
+    print(f"  decode tok/s, engine times {_fmt(s['engine_decode_tok_per_s'])}{engine_note}", file=out)
+    print(f"  aggregate output tok/s     {_fmt(s['aggregate_output_tok_per_s'])} (all requests, wall time)", file=out)
+    print(f"  MTP                        {mtp_line(result)}", file=out)
+
+
+def _engine_missing(result: dict) -> str:
+    if result["status"] != "complete":
+        return f"/metrics not read after the run: {result['status']}"
+    return "the server's /metrics has no vllm:request_decode_time_seconds"
+
+
+def mtp_line(result: dict) -> str:
+    """What the table says about MTP: the acceptance when measured, else what /metrics said
+    before the run (a server that died afterwards was still running MTP)."""
+    spec = result["summary"]["spec_decode"]
     if spec:
         per_pos = " ".join(f"{x:.3f}" for x in spec["per_position_acceptance"] or [])
-        print(
-            f"  MTP acceptance length      {_fmt(spec['acceptance_length'], '.3f')}  "
-            f"rate {_fmt(spec['acceptance_rate'], '.3f')}  per position [{per_pos}]",
-            file=out,
+        return (
+            f"acceptance length {_fmt(spec['acceptance_length'], '.3f')}  "
+            f"rate {_fmt(spec['acceptance_rate'], '.3f')}  per position [{per_pos}]"
         )
-    else:
-        print("  MTP                        off (no speculative-decoding counters on /metrics)", file=out)
+    mtp = result["server"].get("mtp") or {}
+    if mtp.get("on"):
+        k = mtp.get("num_speculative_tokens")
+        where = f" (k={k})" if k else ""
+        return f"on{where}; acceptance not measured: /metrics not read after the run ({result['status']})"
+    if mtp.get("on") is False:
+        return "off (no speculative-decoding counters on /metrics)"
+    return "unknown (/metrics not read)"
+
+
+def _metrics_or_none(base: str) -> MetricsSnapshot | None:
+    try:
+        return MetricsSnapshot.fetch(base)
+    except OSError as e:
+        print(f"warning: /metrics before the run failed: {e}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,13 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--thinking", action="store_true", help="let the model think (default: thinking off)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (default: off)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s)")
-    parser.add_argument(
-        "--min-decode-interval-ms",
-        type=float,
-        default=vllm_client.MIN_DECODE_INTERVAL_S * 1000,
-        help="a request whose tokens after the first arrive within this time of it (one burst) gets no "
-        "decode tok/s (default: %(default)s)",
-    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request (default: %(default)s)")
     parser.add_argument("--label", default="", help="configuration name shown in tables and the report")
     parser.add_argument("--output", metavar="JSON", help="write the results here (default: table only)")
@@ -265,7 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "label": args.label,
         "status": "running",
-        "server": {"url": base, "model": model, "vllm_version": vllm_client.server_version(base)},
+        "server": {
+            "url": base,
+            "model": model,
+            "vllm_version": vllm_client.server_version(base),
+            "mtp": mtp_state(_metrics_or_none(base)),
+        },
         "config": {
             "num_prompts": args.num_prompts,
             "concurrency": args.concurrency,
@@ -276,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": args.temperature,
             "prompts": source,
             "prompt_count": len(prompts),
-            "min_decode_interval_ms": args.min_decode_interval_ms,
         },
         "summary": None,
         "metrics_delta": None,
@@ -288,19 +341,20 @@ def main(argv: list[str] | None = None) -> int:
         if not raw["ok"] and raw["server_gone"] and not vllm_client.server_alive(base):
             print(f"error: the server died during the warm-up ({raw['error']})", file=sys.stderr)
             result["status"] = "server-died"
-            result["summary"] = summarize([], None, None, None, None)
+            result["summary"] = summarize([], None, None, None)
             if args.output:
                 files.atomic_write_json(args.output, result)
             return 3
 
     metrics_before = MetricsSnapshot.fetch(base)
+    result["server"]["mtp"] = mtp_state(metrics_before)  # after the warm-up: every counter is there
     t0 = time.perf_counter()
 
     def body(index: int) -> dict:
         return request_body(args, model, prompts[index % len(prompts)])
 
     def make_record(index: int, raw: dict) -> dict:
-        return finish_record(index, index % len(prompts), raw, t0, args.min_decode_interval_ms / 1000)
+        return finish_record(index, index % len(prompts), raw, t0)
 
     records, status = vllm_client.run_requests(
         base,
@@ -314,25 +368,26 @@ def main(argv: list[str] | None = None) -> int:
     ends = [r["end_s"] for r in records if r["end_s"] is not None]
     duration = max(ends) if ends else None
 
-    spec, deltas, generated, engine_decode = None, {}, None, None
+    spec, deltas, engine = None, {}, None
     if status == "complete":
         try:
             metrics_after = MetricsSnapshot.fetch(base)
             spec = metrics_after.spec_decode(metrics_before)
             deltas = metrics_after.counter_deltas(metrics_before)
-            generated = metrics_after.delta(metrics_before, GENERATION_TOKENS)
-            engine_decode = metrics_after.engine_decode_rate(metrics_before)
+            engine = engine_decode(metrics_after, metrics_before)
         except OSError as e:
             print(f"warning: /metrics after the run failed: {e}", file=sys.stderr)
     result["status"] = status
-    result["summary"] = summarize(records, duration, spec, generated, engine_decode)
+    result["summary"] = summarize(records, duration, spec, engine)
     result["metrics_delta"] = deltas or None
     result["records"] = records
     if args.output:
         files.atomic_write_json(args.output, result)
-    print_table(result)
+    table = io.StringIO()
+    print_table(result, table)
+    write_lines(table.getvalue().rstrip("\n"))
     if status == "server-died":
-        print(f"error: the server at {base} stopped answering; partial results written", file=sys.stderr)
+        write_lines(f"error: the server at {base} stopped answering; partial results written", sys.stderr)
         return 3
     if status == "interrupted":
         return 130

@@ -69,11 +69,9 @@ def load_run(folder: str) -> dict:
         "gsm8k": gsm8k,
         "log_check": log_check,
         "splits": splits,
-        # The engine's timestamps when the server exports them (a starved front-end delivers chunks in
-        # bursts, which distorts client-side timing); else the client-side median.
-        "c1_decode_tok_s": _get(bench1, "summary", "engine_decode_tok_per_s")
-        or _get(bench1, "summary", "decode_tok_per_s", "median"),
-        "c1_decode_client_tok_s": _get(bench1, "summary", "decode_tok_per_s", "median"),
+        # The engine's timestamps only: a starved front-end delivers chunks in bursts, and a rate over
+        # the client's arrival times then reads tens of thousands of tok/s (bench_decode.py).
+        "c1_decode_tok_s": _get(bench1, "summary", "engine_decode_tok_per_s"),
         "c1_aggregate_tok_s": _get(bench1, "summary", "aggregate_output_tok_per_s"),
         "c4_aggregate_tok_s": _get(bench4, "summary", "aggregate_output_tok_per_s"),
         "acceptance_length": spec.get("acceptance_length") if spec else None,
@@ -81,6 +79,7 @@ def load_run(folder: str) -> dict:
         "per_position": spec.get("per_position_acceptance") if spec else None,
         "gsm8k_accuracy": _get(gsm8k, "summary", "accuracy"),
         "gsm8k_n": _get(gsm8k, "summary", "problems"),
+        "counting_model": counting_model(bench1, bench4),
         "configuration": _get(log_check, "summary"),
         "host": suite.get("host") or {},
     }
@@ -116,6 +115,27 @@ def identical_text(base: dict, other: dict) -> str:
     return "yes" if same == compared else f"no ({compared - same} of {compared} differ)"
 
 
+COUNTING_MODEL_NOTE = (
+    "GSM8K at 0 % is expected here: every reply of this model counts upwards (each output token id is the "
+    "previous one + 1, the rule of the tiny test model the demo and the tests build), so it computes no answer; "
+    "the run shows that the evaluation works (answers extracted, truncations counted), not accuracy."
+)
+
+
+def counting_model(*benches: dict | None) -> bool:
+    """Whether the served model is the tiny "increment" test model, judged from what it did: every
+    completed bench reply of at least 8 tokens is a run of consecutive token ids (next id =
+    previous id + 1), and there is at least one such reply. A real model never answers so."""
+    replies = [
+        r["token_ids"]
+        for bench in benches
+        if bench
+        for r in bench.get("records", [])
+        if r.get("ok") and len(r.get("token_ids") or []) >= 8
+    ]
+    return bool(replies) and all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in replies)
+
+
 # --------------------------------------------------------------------------------------------
 # Text modes
 
@@ -136,15 +156,13 @@ def summary_text(run: dict) -> str:
             lines.append(f"  bench {name}: missing")
             continue
         s = bench["summary"]
-        decode = s["decode_tok_per_s"] or {}
         lines.append(
             f"  bench {name}: {s['completed']}/{s['requests']} ok ({bench['status']}), "
-            f"decode {_fmt(s.get('engine_decode_tok_per_s'))} tok/s (engine times), {_fmt(decode.get('median'))} "
-            f"client-side median, aggregate {_fmt(s['aggregate_output_tok_per_s'])} tok/s, "
+            f"decode {_fmt(s.get('engine_decode_tok_per_s'))} tok/s per request (engine times), "
+            f"aggregate {_fmt(s['aggregate_output_tok_per_s'])} tok/s (all requests), "
             f"TTFT {_fmt((s['ttft_s'] or {}).get('median'), '.3f')} s, "
             f"TPOT p50 {_fmt((s.get('tpot_ms') or {}).get('p50'), '.2f')} ms, "
             f"ITL p50 {_fmt((s.get('itl_ms') or {}).get('p50'), '.2f')} ms"
-            + (f", {decode['unmeasured']} unmeasured (one burst)" if decode.get("unmeasured") else "")
         )
         spec = s["spec_decode"]
         if spec:
@@ -160,6 +178,8 @@ def summary_text(run: dict) -> str:
             f"  GSM8K: {s['accuracy'] * 100:.1f} % of {s['problems']} ({gsm8k['status']}), {s['truncated']} truncated, "
             f"{_fmt(s['output_tok_per_s'])} tok/s; data set sha256 {gsm8k['dataset']['sha256'][:12]}"
         )
+        if run["counting_model"]:
+            lines.append(f"         {COUNTING_MODEL_NOTE}")
     else:
         lines.append("  GSM8K: not run")
     memory = (run["log_check"] or {}).get("memory") or {}
@@ -175,7 +195,15 @@ def summary_text(run: dict) -> str:
 
 
 def compare_text(runs: list[dict]) -> str:
-    header = ["configuration", "c=1 tok/s", "c=4 tok/s", "accept. L", "accept. rate", "GSM8K", "identical outputs"]
+    header = [
+        "configuration",
+        "c=1 decode tok/s per request",
+        "c=4 aggregate tok/s, all requests",
+        "accept. L",
+        "accept. rate",
+        "GSM8K",
+        "identical outputs",
+    ]
     rows = []
     for run in runs:
         rows.append(
@@ -193,6 +221,12 @@ def compare_text(runs: list[dict]) -> str:
     out = ["  ".join(str(cell).ljust(width) for cell, width in zip(header, widths, strict=True))]
     out.append("  ".join("-" * width for width in widths))
     out += ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    out.append(
+        "c=1 decode: one request at a time, its tokens after the first over its decode time (the engine's "
+        "timestamps); c=4 aggregate: four requests in flight, all output tokens over the run's wall time."
+    )
+    if any(run["counting_model"] and run["gsm8k_accuracy"] is not None for run in runs):
+        out.append(COUNTING_MODEL_NOTE)
     return "\n".join(out)
 
 
@@ -316,11 +350,17 @@ def line_chart(lines: list[tuple[str, list[tuple[float, float]]]], x_label: str,
     return "".join(parts)
 
 
+SWEEP_SCHEMAS = ("flash-next/sweep/2", "flash-next/sweep/1")
+
+
 def load_sweep(folder: str) -> dict:
+    """A sweep.py results.json. Version 1 is read too, without its decode tok/s column: that was
+    a client-side rate, which a front-end delivering replies in bursts inflates (version 2 has the
+    engine's figure instead)."""
     document = _load(os.path.join(folder, files.SWEEP_RESULTS))
-    if not document or document.get("schema") != "flash-next/sweep/1":
+    if not document or document.get("schema") not in SWEEP_SCHEMAS:
         raise SystemExit(
-            f"error: {folder}/{files.SWEEP_RESULTS} is missing or not a sweep.py result (flash-next/sweep/1)"
+            f"error: {folder}/{files.SWEEP_RESULTS} is missing or not a sweep.py result ({' or '.join(SWEEP_SCHEMAS)})"
         )
     document["folder"] = folder
     return document
@@ -347,8 +387,8 @@ def sweep_section(sweep: dict) -> list[str]:
     body.append(line_chart(list(ttft.items()), "input length (tokens)", "TTFT p50 (ms)"))
     body.append(
         "<table><tr><th>config</th><th>input</th><th>c</th><th>repeats</th><th>TTFT p50 / p99 ms</th>"
-        "<th>TPOT p50 / p99 ms</th><th>ITL p50 / p99 ms</th><th>decode tok/s (median)</th>"
-        "<th>aggregate tok/s</th><th>acceptance L</th></tr>"
+        "<th>TPOT p50 / p99 ms</th><th>ITL p50 / p99 ms</th><th>decode tok/s per request (engine)</th>"
+        "<th>aggregate tok/s (all requests)</th><th>acceptance L</th></tr>"
     )
     for row in sweep["summary"]:
         body.append(
@@ -357,12 +397,17 @@ def sweep_section(sweep: dict) -> list[str]:
             f"<td class=n>{_fmt(row['ttft_p50_ms'])} / {_fmt(row['ttft_p99_ms'])}</td>"
             f"<td class=n>{_fmt(row['tpot_p50_ms'], '.2f')} / {_fmt(row['tpot_p99_ms'], '.2f')}</td>"
             f"<td class=n>{_fmt(row['itl_p50_ms'], '.2f')} / {_fmt(row['itl_p99_ms'], '.2f')}</td>"
-            f"<td class=n>{_fmt(row['decode_tok_s_median'])}"
-            + (f" ({row['decode_unmeasured']} unmeasured)" if row["decode_unmeasured"] else "")
-            + f"</td><td class=n>{_fmt(row['aggregate_tok_s_median'])}</td>"
+            f"<td class=n>{_fmt(row.get('engine_decode_tok_s'))}</td>"
+            f"<td class=n>{_fmt(row['aggregate_tok_s_median'])}</td>"
             f"<td class=n>{_fmt(row['acceptance_length'], '.2f')}</td></tr>"
         )
     body.append("</table>")
+    if sweep["schema"] == "flash-next/sweep/1":
+        body.append(
+            '<p class="note">This sweep was written by an older sweep.py (flash-next/sweep/1): it has no decode '
+            "tok/s from the engine's timestamps, and its client-side decode rate is not shown (a front-end "
+            "that delivers a reply in a burst inflates it). Rerun the sweep for the engine's figure.</p>"
+        )
     return body
 
 
@@ -385,6 +430,25 @@ th { background: #f3f3f3; } td.n { text-align: right; font-variant-numeric: tabu
 .lbl { font-size: 12px; fill: #1d1d1f; } .val { font-size: 11px; fill: #333; }
 .note { color: #666; font-size: 12px; } .warn { color: #a33; font-size: 12px; }
 """
+
+
+STEP_SERIES = "share of step"
+GPU_SERIES = "share of GPU time"
+
+
+def step_charts(share: dict, gpu_busy_share: float | None, gpu_share_by_family: dict | None) -> list[str]:
+    """The step's phases and GPU busy time as shares of the step; kernel families as shares of the
+    GPU's busy time, in a second chart (their sum is 100 % of GPU time, not of the step)."""
+    rows = [(k, {STEP_SERIES: v * 100}) for k, v in share.items()]
+    if gpu_busy_share is not None:
+        rows.append(("GPU busy", {STEP_SERIES: gpu_busy_share * 100}))
+    parts = [bar_chart(rows, [STEP_SERIES], "%")]
+    if gpu_share_by_family:
+        families = [(k, {GPU_SERIES: v * 100}) for k, v in gpu_share_by_family.items()]
+        busy = "" if gpu_busy_share is None else f" ({gpu_busy_share * 100:.1f} % of the step)"
+        parts.append(f'<p class="note">The GPU\'s busy time{busy} by kernel family, as shares of GPU time:</p>')
+        parts.append(bar_chart(families, [GPU_SERIES], "%"))
+    return parts
 
 
 def tile(value: str, key: str, sub: str = "") -> str:
@@ -451,8 +515,9 @@ def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] |
         body.append(bar_chart(rows, ["c=1 decode", "c=4 aggregate"], "tok/s"))
     body.append(
         '<p class="note">c=1 decode (ours): per request, the tokens after the first over the time from the first to '
-        "the last token, from the engine's own timestamps (vllm:request_decode_time_seconds); the client-side "
-        "figure is in each bench file. c=4 aggregate: all output tokens over the run's wall time.</p>"
+        "the last token, from the engine's own timestamps (vllm:request_decode_time_seconds); client-side TPOT "
+        "and ITL are in each bench file. c=4 aggregate: four requests in flight, all output tokens over the "
+        "run's wall time.</p>"
     )
 
     # Memory ledger
@@ -488,15 +553,13 @@ def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] |
         body.append(f"<h3>{_e(run['label'])}: {total / gib:.1f} GiB host memory</h3>")
         body.append(stacked_bar(segments, total / gib, "GiB"))
 
-    # Step-time breakdown
+    # Step-time breakdown: shares of the step (host phases, GPU busy) and, in a chart of its own,
+    # how the GPU's busy time divides between kernel families (shares of GPU time, not of the step).
     body.append("<h2>Step-time breakdown</h2>")
     if seed:
         step = seed["step_breakdown"]
         body.append(f"<h3>Seed: {_e(step['configuration'])}, {step['step_ms']} ms/step</h3>")
-        rows = [(k, {"share of step": v * 100}) for k, v in step["share"].items()]
-        rows.append(("GPU busy", {"share of step": step["gpu_busy_share"] * 100}))
-        rows += [(f"GPU: {k}", {"share of step": v * 100}) for k, v in step["gpu_share_by_family"].items()]
-        body.append(bar_chart(rows, ["share of step"], "%"))
+        body += step_charts(step["share"], step["gpu_busy_share"], step["gpu_share_by_family"])
         body.append(
             f'<p class="note">{step["kernel_launches_per_step"]} kernel launches in ~{step["graph_launches_per_step"]} '
             f"graph replays per step. {_e(step.get('note', ''))}</p>"
@@ -504,16 +567,10 @@ def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] |
     for run in runs:
         for window, trace in run["splits"].items():
             s = trace["summary"]
-            rows = [(k, {"share of step": v * 100}) for k, v in s["share"].items()]
-            if s.get("gpu_busy_share") is not None:
-                rows.append(("GPU busy", {"share of step": s["gpu_busy_share"] * 100}))
-                rows += [
-                    (f"GPU: {k}", {"share of step": v * 100}) for k, v in (s.get("gpu_share_by_family") or {}).items()
-                ]
             body.append(
                 f"<h3>{_e(run['label'])}, {_e(window)}: {s['step_ms_median']:.2f} ms/step (median of {s['steps']})</h3>"
             )
-            body.append(bar_chart(rows, ["share of step"], "%"))
+            body += step_charts(s["share"], s.get("gpu_busy_share"), s.get("gpu_share_by_family"))
             extra = []
             if s.get("ple_staging_ms_mean"):
                 extra.append(f"PLE staging on the host {s['ple_staging_ms_mean']:.3f} ms/step")
@@ -553,6 +610,8 @@ def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] |
             )
     for run in runs:
         gsm = "-" if run["gsm8k_accuracy"] is None else f"{run['gsm8k_accuracy'] * 100:.1f} % (n={run['gsm8k_n']})"
+        if run["counting_model"] and run["gsm8k_accuracy"] is not None:
+            gsm += '<div class="note">the tiny counting model: see below</div>'
         same = "(reference)" if run is runs[0] else identical_text(runs[0], run)
         config = run["configuration"] or ""
         warn = "".join(
@@ -572,6 +631,9 @@ def render(runs: list[dict], seed: dict | None, title: str, sweeps: list[dict] |
             '<p class="note">Identical outputs: the c=1 bench\'s output token ids compared prompt by prompt with '
             f"the first of our runs ({_e(runs[0]['label'])}).</p>"
         )
+        counting = [r["label"] for r in runs if r["counting_model"] and r["gsm8k_accuracy"] is not None]
+        if counting:
+            body.append(f'<p class="note">GSM8K of {_e(", ".join(counting))}: {_e(COUNTING_MODEL_NOTE)}</p>')
     if sweeps:
         body.append("<h2>Sweep: latency by input length and concurrency</h2>")
         for sweep in sweeps:

@@ -34,12 +34,17 @@ are all done is not launched at all. A rerun may name fewer or more configuratio
 concurrencies or repeats: RUN_DIR/sweep.json keeps the union, and the results cover every run
 the folder holds. A rerun with another output length, prompt style, seed or prompts per point
 is refused (its runs would not be comparable). RUN_DIR/results.json (schema
-"flash-next/sweep/1": a summary row per configuration x input length x concurrency, pooled over
+"flash-next/sweep/2": a summary row per configuration x input length x concurrency, pooled over
 repeats, then every run), results.csv (the summary rows) and points.csv (one row per run) are
-rewritten after every run. `report.py --sweep RUN_DIR` draws it.
+rewritten after every run. `report.py --sweep RUN_DIR` draws it. Decode tok/s is the engine's
+(vllm:request_decode_time_seconds, pooled over a point's runs), never a client-side rate: see
+bench_decode.py.
 
 Exit status: 0 all runs done; 1 a run failed (the others go on); 2 bad arguments; 3 a server
-died or did not start (the sweep stops; rerun to resume); 4 the memory gate stopped the sweep.
+died or did not start (the sweep stops; rerun to resume); 4 the memory gate stopped the sweep;
+130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM (or 129, SIGHUP): the server the sweep launched
+is stopped first, before anything is printed (a `| tee` that died with the Ctrl-C cannot stop
+it), and finished runs are kept.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 import time
 import urllib.error
@@ -62,7 +68,7 @@ from magpie.measure import bench_decode
 from magpie.serving import client as vllm_client
 from magpie.serving.process import ServerDied, ServeShServer
 
-SCHEMA = "flash-next/sweep/1"
+SCHEMA = "flash-next/sweep/2"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_ALIASES = {"mtp": "MTP", "draft_vocab": "DRAFT_VOCAB_PATH"}
 # Settings that define what a point measures: a rerun with other values would mix two sweeps.
@@ -86,8 +92,7 @@ SUMMARY_FIELDS = [
     "failed",
     *LATENCY_FIELDS,
     "e2el_p50_ms",
-    "decode_tok_s_median",
-    "decode_unmeasured",
+    "engine_decode_tok_s",
     "aggregate_tok_s_median",
     "aggregate_tok_s_min",
     "aggregate_tok_s_max",
@@ -102,6 +107,7 @@ POINT_FIELDS = [
     "requests",
     "failed",
     *LATENCY_FIELDS,
+    "engine_decode_tok_s",
     "aggregate_tok_s",
     "acceptance_length",
     "file",
@@ -277,18 +283,31 @@ def point_row(config: str, input_len: int, concurrency: int, repeat: int, result
         "requests": s["requests"],
         "failed": s["failed"],
         **latency_figures(s, result["records"]),
+        "engine_decode_tok_s": s["engine_decode_tok_per_s"],
         "aggregate_tok_s": s["aggregate_output_tok_per_s"],
         "acceptance_length": (s["spec_decode"] or {}).get("acceptance_length"),
         "file": path,
     }
 
 
+def pooled_engine_decode(results: list[dict]) -> float | None:
+    """The engine's decode tok/s over several runs: (generated tokens - one first token per
+    request) / decode seconds, summed over the runs (not a mean of the runs' rates). None when a
+    run lacks the sums (a server without them, or a run an older bench wrote into this folder)."""
+    tokens = seconds = 0.0
+    for result in results:
+        s = result["summary"]
+        if not s.get("engine_decode_seconds") or s.get("generation_tokens_counted_by_server") is None:
+            return None
+        tokens += s["generation_tokens_counted_by_server"] - s["engine_decode_requests"]
+        seconds += s["engine_decode_seconds"]
+    return tokens / seconds if seconds else None
+
+
 def summary_row(config: str, input_len: int, concurrency: int, results: list[dict]) -> dict:
     """One configuration x length x concurrency: percentiles over the requests of all repeats."""
     records = [r for res in results for r in res["records"] if r["ok"]]
-    summary = bench_decode.summarize(
-        [r for res in results for r in res["records"]], None, None, None, None
-    )  # pooled TTFT/TPOT/ITL
+    summary = bench_decode.summarize([r for res in results for r in res["records"]], None, None, None)  # pooled
     aggregates = sorted(x["summary"]["aggregate_output_tok_per_s"] for x in results)
     accepted = drafts = 0.0
     for res in results:
@@ -296,7 +315,6 @@ def summary_row(config: str, input_len: int, concurrency: int, results: list[dic
         if spec:
             accepted += spec["accepted_tokens"]
             drafts += spec["drafts"]
-    decode = summary["decode_tok_per_s"] or {}
     return {
         "config": config,
         "input_len": input_len,
@@ -306,8 +324,7 @@ def summary_row(config: str, input_len: int, concurrency: int, results: list[dic
         "failed": summary["failed"],
         **latency_figures(summary, records),
         "e2el_p50_ms": _pct(summary["e2el_ms"], "p50"),
-        "decode_tok_s_median": decode.get("median"),
-        "decode_unmeasured": len(summary["decode_unmeasured"]),
+        "engine_decode_tok_s": pooled_engine_decode(results),
         "aggregate_tok_s_median": vllm_client.percentile(aggregates, 50) if aggregates else None,
         "aggregate_tok_s_min": aggregates[0] if aggregates else None,
         "aggregate_tok_s_max": aggregates[-1] if aggregates else None,
@@ -374,20 +391,61 @@ def print_summary(document: dict, out=sys.stdout) -> None:
         file=out,
     )
     header = f"{'config':<14}{'input':>8}{'c':>4}{'rep':>4}  {'TTFT p50/p99 ms':>18}  {'TPOT p50/p99 ms':>16}"
-    header += f"  {'ITL p50/p99 ms':>16}  {'agg tok/s':>9}  {'L':>5}"
+    header += f"  {'ITL p50/p99 ms':>16}  {'decode tok/s':>12}  {'agg tok/s':>9}  {'L':>5}"
     print(header, file=out)
     for row in document["summary"]:
         print(
             f"{row['config']:<14}{row['input_len']:>8}{row['concurrency']:>4}{row['repeats']:>4}  "
             f"{f(row['ttft_p50_ms']):>8} / {f(row['ttft_p99_ms']):<7}  {f(row['tpot_p50_ms'], '.2f'):>7} / "
             f"{f(row['tpot_p99_ms'], '.2f'):<6}  {f(row['itl_p50_ms'], '.2f'):>7} / {f(row['itl_p99_ms'], '.2f'):<6}  "
-            f"{f(row['aggregate_tok_s_median']):>9}  {f(row['acceptance_length'], '.2f'):>5}",
+            f"{f(row['engine_decode_tok_s']):>12}  {f(row['aggregate_tok_s_median']):>9}  "
+            f"{f(row['acceptance_length'], '.2f'):>5}",
             file=out,
         )
+    print(
+        "decode tok/s: per request, from the engine's timestamps; agg tok/s: all requests' output tokens over "
+        "the run's wall time (median of the repeats); L: MTP acceptance length",
+        file=out,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # The sweep
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP: unwinds the sweep like Ctrl-C does, so that the `finally` that stops
+    the launched server runs (Python's default for these signals exits without it, and the
+    server, in a session of its own, would be left running)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, _frame):
+    raise Stopped(signum)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def say(message: str) -> None:
+    """A progress line on stderr that a dead reader (`2>&1 | tee`, killed by the same Ctrl-C)
+    cannot turn into an exception."""
+    bench_decode.write_lines(message, sys.stderr)
+
+
+def stop_server(server: ServeShServer, name: str) -> None:
+    """Stop the launched server, with SIGINT and the stop signals held off until it is down
+    (a second Ctrl-C must not leave it half stopped); then say so."""
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    try:
+        server.stop()
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+    say(f"sweep: {name}: its server stopped")
 
 
 def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
@@ -497,6 +555,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--config (a launched configuration) needs --model, the checkpoint folder serve.sh serves")
     if args.repeats < 1 or args.output_len < 1 or args.prompts_per_point < 1:
         parser.error("--repeats, --output-len and --prompts-per-point must be >= 1")
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    try:
+        return run_sweep(args, configs)
+    except KeyboardInterrupt:
+        say("sweep: interrupted (Ctrl-C); finished runs are kept: rerun to resume")
+        return 130
+    except Stopped as e:
+        say(f"sweep: stopped by {e}; finished runs are kept: rerun to resume")
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_sweep(args, configs: list[dict]) -> int:
     os.makedirs(args.run_dir, exist_ok=True)
     run_dir = os.path.abspath(args.run_dir)
     plan = load_plan(run_dir, args, configs)
@@ -505,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     for config in configs:
         todo = [p for p in grid if not point_done(point_path(run_dir, config["name"], *p))]
         skipped = len(grid) - len(todo)
-        print(f"sweep: {config['name']}: {len(todo)} runs to do, {skipped} done before (skipped)", file=sys.stderr)
+        say(f"sweep: {config['name']}: {len(todo)} runs to do, {skipped} done before (skipped)")
         if not todo:
             continue
         server = None
@@ -514,17 +587,17 @@ def main(argv: list[str] | None = None) -> int:
                 stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
                 log = os.path.join(run_dir, "servers", f"{config['name']}-{stamp}.log")
                 server = launched_server(config, args, log)
-                print(f"sweep: {config['name']}: starting serve.sh (log {server.log_path})", file=sys.stderr)
+                say(f"sweep: {config['name']}: starting serve.sh (log {server.log_path})")
                 try:
                     server.start(args.start_timeout)
                 except (ServerDied, TimeoutError) as e:
-                    print(f"error: {config['name']}: {e}", file=sys.stderr)
+                    say(f"error: {config['name']}: {e}")
                     return 3
                 base = server.url
             else:
                 base = config["url"]
                 if not vllm_client.server_alive(base):
-                    print(f"error: {config['name']}: no healthy server at {base}", file=sys.stderr)
+                    say(f"error: {config['name']}: no healthy server at {base}")
                     return 3
             model = vllm_client.served_model(base)
             max_len = json.loads(vllm_client.http_get(base + "/v1/models"))["data"][0].get("max_model_len")
@@ -538,36 +611,36 @@ def main(argv: list[str] | None = None) -> int:
             for number, (input_len, concurrency, repeat) in enumerate(todo, 1):
                 where = f"{config['name']} in={input_len} c={concurrency} r={repeat}"
                 if max_len and input_len + args.output_len > max_len:
-                    print(f"sweep: {where}: skipped, {input_len} + {args.output_len} > max_model_len {max_len}",
-                          file=sys.stderr)  # fmt: skip
+                    say(f"sweep: {where}: skipped, {input_len} + {args.output_len} > max_model_len {max_len}")
                     status = max(status, 1)
                     continue
                 passed, free = memory_gate(args.min_free, args.gate_wait)
                 if not passed:
-                    print(
+                    say(
                         f"error: memory gate: MemAvailable {free / 2**30:.1f} GiB < --min-free "
                         f"{args.min_free / 2**30:.1f} GiB after {args.gate_wait:.0f} s; stopping before {where} "
-                        "(finished runs are kept: rerun to resume)",
-                        file=sys.stderr,
+                        "(finished runs are kept: rerun to resume)"
                     )
                     write_results(run_dir, plan)
                     return 4
-                print(f"sweep: [{number}/{len(todo)}] {where}", file=sys.stderr)
+                say(f"sweep: [{number}/{len(todo)}] {where}")
                 code = run_point(base, model, args, run_dir, config["name"], input_len, concurrency, repeat)
                 write_results(run_dir, plan)
                 if code == 3:
-                    print(f"error: {where}: the server died; rerun to resume", file=sys.stderr)
+                    say(f"error: {where}: the server died; rerun to resume")
                     return 3
                 if code == 130:
-                    return 130
+                    raise KeyboardInterrupt  # the bench caught the Ctrl-C: the sweep stops the same way
                 if code != 0:
                     status = max(status, 1)
         finally:
+            # The stop comes before any print: a print to a dead pipe would raise first.
             if server is not None:
-                print(f"sweep: {config['name']}: stopping its server", file=sys.stderr)
-                server.stop()
+                stop_server(server, config["name"])
     document = write_results(run_dir, plan)
-    print_summary(document)
+    table = io.StringIO()
+    print_summary(document, table)
+    bench_decode.write_lines(table.getvalue().rstrip("\n"))
     return status
 
 
