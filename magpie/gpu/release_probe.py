@@ -396,7 +396,11 @@ def table(steps: list[dict]) -> str:
     for s in steps:
         if s["ok"]:
             res = s.get("result")
-            detail = "" if res is None else (res if isinstance(res, str) else json.dumps(res))[:150]
+            if isinstance(res, dict) and res and all(isinstance(v, dict) and "ok" in v for v in res.values()):
+                unmet = [f"{k} {v['wants']} (has {v['has']})" for k, v in res.items() if not v["ok"]]
+                detail = f"{len(res) - len(unmet)}/{len(res)} met; unmet: {', '.join(unmet) or 'none'}"[:400]
+            else:
+                detail = "" if res is None else (res if isinstance(res, str) else json.dumps(res))[:150]
             if s.get("warnings"):
                 detail += f" [{len(s['warnings'])} warning(s): {s['warnings'][0][:120]}]"
             lines.append(f"{s['name']:<{width}}  ok    {s.get('seconds', 0):6.2f}s  {detail}")

@@ -177,6 +177,40 @@ def random_offsets(mapped, count, seed=0):
     return mapped.shard_base_np[ids // mapped.shard_size] + ids * mapped.row_bytes, ids
 
 
+def test_the_large_gathers_index_select_gets_its_own_torch_threads_and_gives_them_back(shard_files, monkeypatch):
+    """Issue 18: the one index_select of a warm large gather runs on index_select_threads torch
+    threads (a spy on the real op reads torch's count inside it) while the server's single thread
+    is set back right after; the rows stay bit-identical to the resident table."""
+    ple_mmap = load_ple_mmap()
+    table, shards, _ = shard_files
+    seen = []
+    real = torch.index_select
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for threads, want_inside in ((2, 2), (1, 1)):
+            mapped = make_table(ple_mmap, table, shards, num_threads=4, index_select_threads=threads)
+            assert f"one index_select on {threads} torch threads" in mapped.describe()
+            offsets, ids = random_offsets(mapped, 8000, seed=threads)
+            seen.clear()
+            monkeypatch.setattr(torch, "index_select", spy)
+            mapped.gather_offsets(offsets, mapped.host_rows_np)
+            monkeypatch.setattr(torch, "index_select", real)
+            assert mapped.stats["index_selects"] == 1 and seen == [want_inside]
+            assert torch.get_num_threads() == 1
+            want = table[torch.from_numpy(ids)].view(torch.int16)
+            assert torch.equal(mapped.host_rows[:8000].view(torch.int16), want)
+    finally:
+        torch.set_num_threads(previous)
+    default = make_table(ple_mmap, table, shards)
+    assert 1 <= default.index_select_threads <= 8
+
+
 def test_a_warm_large_gather_is_one_index_select_in_the_calling_thread(shard_files):
     """With one torch thread (as vLLM serves) a warm gather above index_select_min_rows is one
     torch.index_select after the probe, in the calling thread: no pool is started."""
