@@ -27,7 +27,13 @@
         }
       );
 
-      packages = forAllSystems (system: import ./nix/packages.nix { scope = scopeOf system; });
+      packages = forAllSystems (
+        system:
+        import ./nix/packages.nix { scope = scopeOf system; }
+        // {
+          image = self.legacyPackages.${system}.callPackage ./nix/image.nix { scope = scopeOf system; };
+        }
+      );
 
       # The default release's apps, and for each other release the apps that run its vLLM.
       apps = forAllSystems (system: magpieLib.mkAllApps (scopeOf system));

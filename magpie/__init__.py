@@ -38,6 +38,7 @@ TOOLS = {
     "watchdog": "magpie.serving.watchdog",
     "ple-warmup": "magpie.serving.ple_warmup",
     "cluster": "magpie.serving.cluster",
+    "install-service": "magpie.serving.service",
     "bench-decode": "magpie.measure.bench_decode",
     "gsm8k": "magpie.measure.gsm8k_eval",
     "sweep": "magpie.measure.sweep",

@@ -16,6 +16,9 @@ Roles:
   same absolute path on every node, then runs serve.sh with `--tensor-parallel-size TP
   --distributed-executor-backend ray` and the same network settings.
 - `push-keep-set PATH` does the copy alone; `env` prints the settings as `export` lines.
+- `check` (on the head) compares the hosts before TP: vLLM, series and patch hashes, checkpoint
+  (a cached hash manifest), keep-set, link MTU, clocks, and an all-reduce bandwidth/latency test;
+  it refuses (exit 1, one line) when any differs. magpie/serving/cluster_check.py has the details.
 
 The settings (as NVIDIA's DGX Spark playbook and the community's cluster scripts set them, for
 the QSFP link between the Sparks, e.g. enp1s0f1np1): VLLM_HOST_IP=--ip; NCCL_SOCKET_IFNAME,
@@ -45,7 +48,8 @@ import subprocess
 import sys
 import time
 
-from magpie import cli, tool_command
+from magpie import cli, tool_command, tool_env
+from magpie.serving import cluster_check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PORT = 6379
@@ -164,7 +168,8 @@ def start_node(args, head: bool) -> int:
     role = "head" if head else "worker"
     print(f"cluster.py {role}: {' '.join(f'{k}={v}' for k, v in settings.items())}", file=sys.stderr, flush=True)
     print(f"cluster.py {role}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    return run_foreground(cmd, dict(os.environ, **settings))
+    # This checkout first on PYTHONPATH: the node's Ray workers import magpie for `cluster check`.
+    return run_foreground(cmd, tool_env(dict(os.environ, **settings)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     push.add_argument("--head", required=True, metavar="IP[:PORT]", help="the head node")
     push.add_argument("--force", action="store_true", help="replace a different file on a node")
     push.add_argument("path", help="absolute path of the keep-set (any file)")
+    chk = roles.add_parser("check", help="compare the hosts and test the link before TP (on the head)")
+    cluster_check.add_arguments(chk, DEFAULT_PORT)
     env = roles.add_parser("env", help="print the network settings as export lines")
     network(env, False)
     env.add_argument("--head", metavar="IP", help="the head's address (default: --ip)")
@@ -355,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.role in ("head", "worker"):
         return start_node(args, args.role == "head")
+    if args.role == "check":
+        args.head_ip, args.port = split_address(args.head)
+        return cluster_check.run(args, connect)
     if args.role == "push-keep-set":
         host, port = split_address(args.head)
         ray = connect(f"{host}:{port}")

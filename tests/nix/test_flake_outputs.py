@@ -29,6 +29,7 @@ PACKAGES = (
         "flashinfer-jit-cache",
         "cuda-home",
         "nvidia-driver-libs",
+        "image",
     }
     | RELEASE_PACKAGES
     | APPS

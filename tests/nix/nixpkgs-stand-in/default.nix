@@ -390,6 +390,68 @@ let
       }
     );
 
+  # pkgs/build-support/docker/default.nix: buildLayeredImage is streamLayeredImage's closed
+  # argument set plus `compressor`; the image's config JSON is `{ config, architecture, os }`
+  # (architecture: Go's GOARCH); the stand-in keeps it, and the contents' store paths, as
+  # attributes of the derivation so that tests can read them.
+  dockerTools.buildLayeredImage =
+    {
+      name,
+      tag ? null,
+      fromImage ? null,
+      contents ? [ ],
+      config ? { },
+      architecture ? goArch,
+      created ? "1970-01-01T00:00:01Z",
+      mtime ? "1970-01-01T00:00:01Z",
+      uid ? 0,
+      gid ? 0,
+      uname ? "root",
+      gname ? "root",
+      maxLayers ? 100,
+      extraCommands ? "",
+      fakeRootCommands ? "",
+      enableFakechroot ? false,
+      includeStorePaths ? true,
+      includeNixDB ? false,
+      passthru ? { },
+      meta ? { },
+      layeringPipeline ? null,
+      debug ? false,
+      compressor ? "gz",
+    }:
+    assert maxLayers > 1;
+    let
+      baseName = baseNameOf name;
+      contentsList = if builtins.isList contents then contents else [ contents ];
+    in
+    runCommand "${baseName}.tar.${compressor}" {
+      imageConfigJson = builtins.toJSON {
+        inherit config architecture;
+        os = "linux";
+      };
+      contentsPaths = map toString contentsList;
+      inherit
+        created
+        maxLayers
+        extraCommands
+        fakeRootCommands
+        includeStorePaths
+        ;
+      passthru = passthru // {
+        # nixpkgs lowercases both; the stand-in has no toLower and takes them as given.
+        imageName = name;
+        imageTag = if tag == null then "" else tag;
+      };
+      inherit meta;
+    } "stand-in: no image is built";
+  goArch =
+    {
+      "aarch64-linux" = "arm64";
+      "x86_64-linux" = "amd64";
+    }
+    .${system};
+
   base =
     final:
     tools
@@ -406,6 +468,7 @@ let
         fetchurl
         mkShell
         runtimeShell
+        dockerTools
         ;
       path = ./.;
       gcc14Stdenv = final.stdenv;
