@@ -6,12 +6,16 @@ A profile is a `vllm serve --config` YAML file (keys are `vllm serve` options wi
 variables (GPU_MEM, MAX_NUM_SEQS, MTP, PLE, TOOL_CALL_PARSER, ...), expands it into command-line
 options exactly as vLLM 0.29.0's own `--config` loader does, and puts your extra arguments last, so
 the command line wins over the file as in vLLM. It then checks everything that would otherwise
-fail only after the ~10-minute weight load (patches, keep-set, JIT tools), chooses the
-environment (the GB10's allocator and JIT-job settings), creates a neutral working directory (a
-`vllm/` folder where you stand must not shadow the installed vLLM), writes the launch plan and run
-manifest `LOG.launch.json` (magpie/serving/manifest.py) and the top of the log (a rendering of the
-manifest), and prints the working directory. `exec PLAN` then becomes the server: same PID, the
-plan's environment, its working directory.
+fail only after the ~10-minute weight load (config.json, patches, keep-set, JIT tools), and parses
+the command with vLLM's own `vllm serve` parser whenever there are extra arguments (or a profile
+`false`): vLLM reads it last-wins, so extra arguments that would change a checked option (MODEL,
+HOST, PORT, --hf-overrides, --engram-config, --speculative-config, in any of vLLM's spellings) are
+refused, as is a command vLLM would not parse. It chooses the environment (the GB10's allocator
+and JIT-job settings), names a neutral working directory (a `vllm/` folder where you stand must
+not shadow the installed vLLM; `exec` creates it, so a plan never run leaves no folder), writes
+the launch plan and run manifest `LOG.launch.json` (magpie/serving/manifest.py) and the top of the
+log (a rendering of the manifest), and prints the working directory. `exec PLAN` then becomes the
+server: same PID, the plan's environment, its working directory.
 
 Every check runs in this process (the patch tool's status, computed once, and preflight's
 checks are function calls): between serve.sh and vLLM there is this one Python process and
@@ -38,8 +42,10 @@ import json
 import os
 import platform
 import re
+import secrets
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -114,6 +120,13 @@ def load_profile(path: str) -> dict:
             raise Refused(
                 f"profile {path}: key {key!r} is not allowed here (write option names without dashes; "
                 "MODEL, HOST and PORT are serve.sh's variables)"
+            )
+        if "_" in key or "." in key:
+            # vLLM reads `speculative_config` and `speculative-config.x` as the same option; serve.sh's
+            # variables and checks read the dashed key only, so another spelling would slip past them.
+            raise Refused(
+                f"profile {path}: key {key!r}: write `vllm serve` option names with dashes and nested values "
+                f"as a mapping (e.g. {key.split('.')[0].replace('_', '-')!r}: {{...}})"
             )
     return profile
 
@@ -383,6 +396,117 @@ def relative_paths_in(args: list[str], cwd: str) -> list[str]:
     return found
 
 
+# `vllm serve` destinations that serve.sh sets and checks (patches, keep-set) and that the manifest,
+# the watchdog and log_check rely on; extra arguments must not change them. Each with what to use.
+CHECKED_OPTIONS = {
+    "model_tag": "MODEL",
+    "model": "MODEL",
+    "host": "HOST",
+    "port": "PORT",
+    "uds": "HOST and PORT (the watchdog and the tools reach the server over TCP)",
+    "hf_overrides": "PLE, or a profile (PROFILE=/path/to/profile.yaml)",
+    "engram_config": "PLE, or a profile (PROFILE=/path/to/profile.yaml)",
+    "speculative_config": "MTP and DRAFT_VOCAB_PATH, or a profile (PROFILE=/path/to/profile.yaml)",
+}
+
+
+def _quiet(call, *args):
+    """CALL(*ARGS) with its stdout and stderr captured: vLLM logs to stdout on import, and serve.sh
+    reads `plan`'s stdout. Returns (result, captured text); SystemExit is returned, not raised."""
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        try:
+            return call(*args), captured.getvalue()
+        except SystemExit as e:
+            return e, captured.getvalue()
+
+
+def vllm_serve_parser():
+    """`vllm serve`'s own argument parser, from the vLLM this interpreter imports (the function
+    vllm/entrypoints/cli/serve.py builds it with, whichever module holds it in that release)."""
+
+    def build():
+        from vllm.entrypoints.cli import serve
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        return serve.make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+    try:
+        parser, captured = _quiet(build)
+    except Exception as e:  # noqa: BLE001 - any import failure: the check cannot run, and says so
+        raise Refused(
+            f"cannot check the `vllm serve` arguments: vLLM's argument parser does not load here ({type(e).__name__}: "
+            f"{e}); run serve.sh with the vLLM environment's Python (VLLM_PYTHON)"
+        ) from None
+    if isinstance(parser, SystemExit):
+        raise Refused(f"cannot check the `vllm serve` arguments: loading vLLM's parser exited: {captured[-500:]}")
+    return parser
+
+
+def parse_serve_args(parser, serve_args: list[str], what: str) -> argparse.Namespace:
+    """SERVE_ARGS (after `serve`) as vLLM will read them; Refused with vLLM's own error."""
+    namespace, captured = _quiet(parser.parse_args, serve_args)
+    if isinstance(namespace, SystemExit):
+        lines = [line for line in captured.splitlines() if line.strip()]
+        raise Refused(f"{what}: vLLM would not start with them: {lines[-1] if lines else f'exit {namespace.code}'}")
+    return namespace
+
+
+def check_false_values(config: dict, profile: str, parser) -> None:
+    """`key: false` becomes `--no-key`, which only options of vLLM's BooleanOptionalAction have."""
+    for key, value in config.items():
+        if value is False and f"--no-{key}" not in parser._option_string_actions:
+            raise Refused(
+                f"profile {profile}: `{key}: false`: `vllm serve` has no --no-{key} (--{key} is a switch that is "
+                f"off unless given): remove the key"
+            )
+
+
+def check_extra_args(parser, base: list[str], extra: list[str]) -> None:
+    """Refuse extra arguments that change an option serve.sh checked: vLLM parses the command line
+    last-wins (a later `--speculative-config` replaces the checked one; `-sc.x`, `--hf_overrides.x`
+    and `--config FILE` change them too), so the options are compared as vLLM parses them."""
+    checked = parse_serve_args(parser, base, "the profile and serve.sh's variables")
+    served = parse_serve_args(parser, base + extra, f"the extra arguments {shlex.join(extra)}")
+    for dest, instead in CHECKED_OPTIONS.items():
+        if not hasattr(checked, dest):
+            continue
+        before, after = getattr(checked, dest), getattr(served, dest)
+        if before != after:
+            raise Refused(
+                f"the extra arguments {shlex.join(extra)} change --{dest.replace('_', '-')} "
+                f"({json.dumps(before, default=str)} -> {json.dumps(after, default=str)}), which serve.sh sets and "
+                f"checks (patches, keep-set) and records in LOG.launch.json: set it through {instead} instead"
+            )
+
+
+def check_model_config(model: str) -> None:
+    """A local model folder's config.json must be a JSON object (preflight and vLLM read it)."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isdir(model) or not os.path.exists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise Refused(f"MODEL={model}: {path} cannot be read as JSON ({e}): fix or replace the file") from None
+    if not isinstance(config, dict):
+        raise Refused(f"MODEL={model}: {path} holds a JSON {type(config).__name__}, not an object of model settings")
+
+
+def check_log_writable(log: str) -> None:
+    """LOG, LOG.launch.json and LOG.pid are written in LOG's folder: try it before any other work."""
+    folder = os.path.dirname(log)
+    if not os.path.isdir(folder):
+        raise Refused(f"LOG={log}: the folder {folder} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".serve-sh-write-test-", dir=folder)
+    except OSError as e:
+        raise Refused(f"LOG={log}: cannot write in {folder} ({e.strerror}); choose a LOG in a writable folder") from e
+    os.close(fd)
+    os.unlink(probe)
+
+
 def is_gb10() -> bool:
     smi = shutil.which("nvidia-smi")
     if not smi:
@@ -439,6 +563,7 @@ def plan(args: argparse.Namespace) -> int:
     log = os.path.abspath(args.log)
     caller_cwd = os.getcwd()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    check_log_writable(log)
 
     model = _env("MODEL")
     if model is None:
@@ -447,6 +572,7 @@ def plan(args: argparse.Namespace) -> int:
         if not os.path.exists(model):
             raise Refused(f"MODEL={model} does not exist")
         model = os.path.abspath(model)  # vLLM runs in another working directory
+        check_model_config(model)
     if os.path.exists(log) and os.path.getsize(log) > 0 and os.environ.get("OVERWRITE", "0") != "1":
         raise Refused(f"{log} exists; choose another LOG or set OVERWRITE=1")
     jit_check = os.environ.get("JIT_CHECK", "auto")
@@ -483,17 +609,24 @@ def plan(args: argparse.Namespace) -> int:
     if pythonpath:  # relative entries would point elsewhere from the server's working directory
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in pythonpath.split(os.pathsep))
 
-    cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", args.host, "--port", str(args.port)]
-    cmd += expand(config) + extra
+    serve_args = [model, "--host", args.host, "--port", str(args.port)]
+    if extra or any(value is False for value in config.values()):
+        parser = vllm_serve_parser()
+        check_false_values(config, path, parser)
+        if extra:
+            check_extra_args(parser, serve_args + expand(config), extra)
+    cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", *serve_args, *expand(config), *extra]
     launch = cmd
     if args.mem_hard_limit:
         launch = tool_command(python, "magpie.serving.memguard", "exec", "--max", args.mem_hard_limit, "--", *cmd)
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="flash-next-serve-")
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    if os.path.exists(os.path.join(workdir, "vllm")):
-        raise Refused(f"WORKDIR={workdir} has a vllm/ entry, which would shadow the installed vLLM")
+    # Named here, created by `exec` (so a plan that is never run leaves no folder behind).
+    if args.workdir:
+        workdir = os.path.abspath(args.workdir)
+        if os.path.exists(os.path.join(workdir, "vllm")):
+            raise Refused(f"WORKDIR={workdir} has a vllm/ entry, which would shadow the installed vLLM")
+    else:
+        workdir = os.path.join(tempfile.gettempdir(), f"flash-next-serve-{secrets.token_hex(6)}")
 
     record = {
         "schema": manifest.SCHEMA,
@@ -524,16 +657,32 @@ def plan(args: argparse.Namespace) -> int:
         "versions": versions,
         "patches": status.record(),
     }
-    manifest.write(log, record)
+    try:
+        manifest.write(log, record)
+    except OSError as e:
+        raise Refused(f"LOG={log}: cannot write the log or its manifest ({e.strerror}: {e.filename or log})") from None
+    if sys.stdout.isatty():  # run by hand, not by serve.sh
+        print(f"launch plan: planned {manifest.path_for(log)}; `launch exec` on it starts the server", file=sys.stderr)
     print(workdir)
     return 0
+
+
+def enter_workdir(workdir: str) -> None:
+    """Create the plan's working directory (or take the one a restart or WORKDIR left) and go there."""
+    os.makedirs(workdir, mode=0o700, exist_ok=True)
+    info = os.lstat(workdir)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise Refused(f"working directory {workdir}: not a folder of this user (uid {os.getuid()})")
+    if os.path.exists(os.path.join(workdir, "vllm")):
+        raise Refused(f"working directory {workdir} has a vllm/ entry, which would shadow the installed vLLM")
+    os.chdir(workdir)
 
 
 def exec_plan(plan_path: str) -> int:
     with open(plan_path) as f:
         launch = json.load(f)
     os.environ.update(launch["env"])
-    os.chdir(launch["cwd"])
+    enter_workdir(launch["cwd"])
     try:
         os.execvp(launch["argv"][0], launch["argv"])
     except OSError as e:

@@ -29,8 +29,10 @@ never looks processes up by name, and it exits as soon as its server exits.
 `run` is the supervisor of one server (serve.sh runs vLLM under it): it starts the command in a
 session of its own, writes its PID (--pid-file), guards it (or not: --no-guard), starts the
 liveness watchdog on it (--watchdog stop|restart|report), stops its process group on SIGINT or
-SIGTERM (SIGKILL after --grace), starts it again after a watchdog stop under `--watchdog restart`
-(at most --restarts times), and exits with its status:
+SIGTERM (SIGKILL after --grace; what is left of the group after the server exited gets the same),
+reads the server's output for an engine death (vLLM's API server exits 0 after one), starts it
+again after a watchdog stop or an engine death under `--watchdog restart` (at most --restarts
+times; an engine death only once the server had served), and exits with its status:
 
     python3 magpie memguard run --pid-file server.pid --output server.log --log server.log \
         --server-log server.log --watchdog restart --watchdog-url http://127.0.0.1:8100 -- vllm serve ...
@@ -47,7 +49,7 @@ a GB10 escape it, so it complements the guard and does not replace it.)
 Exit codes of `watch`: 0 the server exited by itself; 3 the guard stopped it; 2 usage error
 (no such process, the PID is the guard's own process group). `run`: the command's exit status
 (128 + N for a signal N), 3 when the guard stopped it, 4 when the watchdog stopped it (and no
-restart was left), 2 when it could not be started.
+restart was left), 5 when its engine died (the reason is printed), 2 when it could not be started.
 `exec` replaces itself with the command; it exits 2 without running anything when no hard
 limit can be set (the message says why).
 """
@@ -81,6 +83,17 @@ DRIVER_ERRORS = re.compile(
 # watchdog's own lines: never evidence of a driver error.
 OWN_LINES = ("# ", "[memguard", "[watchdog")
 XID_PID = re.compile(r"NVRM: Xid\b.*?\bpid=(?P<pid>\d+)")
+# vLLM's lines for an engine core that died (0.29: core.py logs the first when the engine's loop
+# fails, async_llm / the API server the second when a request meets the dead engine, core_client's
+# monitor the others when the process vanished: "MPClient: engine core exited unexpectedly" after a
+# kill -9 of the engine core, seen here). vLLM's API server then shuts down with status 0.
+ENGINE_DEATH = re.compile(
+    r"EngineCore encountered a fatal error|EngineDeadError|Engine core proc \S+ died unexpectedly|"
+    r"Engine core process \S+ died unexpectedly|engine core exited unexpectedly|Engine core initialization failed"
+)
+# uvicorn's line once the API server serves (vLLM logs it after the engine is up).
+SERVING_LINE = "Application startup complete."
+ENGINE_DIED = 5  # `run`'s status when the engine died (the API server's own status is 0)
 
 
 parse_size = cli.parse_size  # one size rule for every tool (magpie/cli.py)
@@ -566,6 +579,9 @@ class Supervisor:
         self.child: subprocess.Popen | None = None
         self.stopping = False
         self.killer: threading.Timer | None = None
+        self.term_sent_at: float | None = None
+        self.engine_death: str | None = None
+        self.served = False
 
     log = Guard.log  # the guard's "[memguard <time>]" lines, to the same file
 
@@ -580,6 +596,8 @@ class Supervisor:
         for number in (signum, signal.SIGCONT):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, number)
+        if self.term_sent_at is None:
+            self.term_sent_at = time.monotonic()
         if self.killer is None:
             # vLLM can hang in its own shutdown (seen when a stop came while the engine was
             # starting): a stop must end, so the group gets SIGKILL once the grace time has passed.
@@ -592,6 +610,12 @@ class Supervisor:
             self.log(f"server PID {child.pid} still running {self.args.grace:g} s after SIGTERM: SIGKILL to its group")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
+
+    def show_tail(self) -> None:
+        if self.args.output:
+            with open(self.args.output, errors="replace") as f:
+                tail = collections.deque(f, 20)
+            sys.stderr.write(f"last lines of {self.args.output}:\n" + "".join(tail))
 
     def start(self) -> subprocess.Popen:
         out = open(self.args.output, "ab") if self.args.output else None  # the child's, closed once it has it
@@ -618,11 +642,53 @@ class Supervisor:
         policy = "report" if self.args.watchdog == "report" else "stop"
         cmd = tool_command(sys.executable, "magpie.serving.watchdog", "watch", "--pid", str(pid))
         cmd += ["--url", self.args.watchdog_url, "--on-stall", policy, "--grace", f"{self.args.grace:g}"]
-        cmd += (["--log", self.args.log] if self.args.log else []) + shlex.split(self.args.watchdog_args)
+        cmd += ["--log", self.args.log] if self.args.log else []
+        output = self.args.output or self.args.server_log
+        cmd += (["--server-log", output] if output else []) + shlex.split(self.args.watchdog_args)
         return subprocess.Popen(cmd)
 
+    def group_left(self, pgid: int, since: float) -> None:
+        """After the server (the group's leader) exited: SIGTERM to what is left of its group (vLLM's
+        engine core and workers outlive a killed API server), SIGKILL once --grace seconds have passed
+        since SINCE (the first SIGTERM of a stop, or the leader's exit)."""
+        from magpie.serving.process import group_members
+
+        if not group_members(pgid):
+            return
+        for number in (signal.SIGTERM, signal.SIGCONT):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, number)
+        deadline = since + self.args.grace
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = group_members(pgid)
+        if left:
+            self.log(
+                f"{len(left)} process(es) of the server's group {pgid} (PIDs {' '.join(map(str, left))}) still "
+                f"running {self.args.grace:g} s after the server stopped: SIGKILL to the group"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while group_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    def read_output(self, follower: LogFollower | None) -> None:
+        """Note what the server's output says of its engine: serving, or dead (the first such line)."""
+        for line in follower.lines() if follower is not None else ():
+            if line.startswith(OWN_LINES):
+                continue
+            if SERVING_LINE in line:
+                self.served = True
+            if self.engine_death is None and ENGINE_DEATH.search(line):
+                self.engine_death = line.strip()[:300]
+
     def once(self) -> tuple[int, int, int]:
-        """One start of the command: its status, the guard's and the watchdog's."""
+        """One start of the command: its status, the guard's and the watchdog's; `engine_death` and
+        `served` say what its output said."""
+        output = self.args.output or self.args.server_log
+        follower = LogFollower(output, from_start=False) if output else None
+        self.engine_death, self.served = None, False
         child = self.child = self.start()
         guard_status: list[int] = []
         guard_thread = guard = None
@@ -642,9 +708,10 @@ class Supervisor:
                 status = child.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGTERM)  # workers the server forked, if any outlived it
+                self.read_output(follower)
+        exited = time.monotonic()
+        self.group_left(child.pid, self.term_sent_at if self.term_sent_at is not None else exited)
+        self.read_output(follower)
         if guard_thread is not None:
             guard_thread.join()
         watchdog_status = watchdog.wait() if watchdog is not None else 0
@@ -674,12 +741,27 @@ class Supervisor:
                         self.log(f"restart {restarts} of {self.args.restarts} after a stall")
                         continue
                     return 4
-                if status != 0 and not self.stopping:
+                if self.stopping:
+                    return status
+                if self.engine_death is not None:
+                    self.say(f"the server's engine died (the server exited with status {status}): {self.engine_death}")
+                    if self.args.watchdog == "restart" and restarts < self.args.restarts and self.served:
+                        restarts += 1
+                        self.log(f"restart {restarts} of {self.args.restarts} after the engine died")
+                        continue
+                    if self.args.watchdog == "restart":
+                        why = "it died before it served" if not self.served else f"{self.args.restarts} restart(s) done"
+                        self.say(f"no restart: {why}")
+                    self.show_tail()
+                    return ENGINE_DIED
+                if status != 0:
                     self.say(f"the server exited with status {status}")
-                    if self.args.output:
-                        with open(self.args.output, errors="replace") as f:
-                            tail = collections.deque(f, 20)
-                        sys.stderr.write(f"last lines of {self.args.output}:\n" + "".join(tail))
+                    self.show_tail()
+                elif self.child is not None:
+                    self.say(
+                        f"the server (PID {self.child.pid}) exited with status 0 without a stop from this supervisor "
+                        "(a signal from elsewhere?) and no engine error in its output"
+                    )
                 return status
         finally:
             if self.killer is not None:

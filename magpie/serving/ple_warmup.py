@@ -249,7 +249,16 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
-    return 3 if result.get("warm", {}).get("stopped") else 0
+    stopped = result.get("warm", {}).get("stopped")
+    if stopped:
+        warmed = result["warm"]
+        print(
+            f"ple_warmup.py: stopped early: {stopped}; read {gib(warmed['read_bytes'])} of the "
+            f"{gib(warmed['planned_bytes'])} planned (free memory, or lower --min-available)",
+            file=sys.stderr,
+        )
+        return 3
+    return 0
 
 
 if __name__ == "__main__":

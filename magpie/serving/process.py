@@ -93,6 +93,7 @@ class ServerProcess:
         self.env = dict(env) if env is not None else None
         self.grace = grace
         self.proc: subprocess.Popen | None = None
+        self.launched: float | None = None
         self.startup_s: float | None = None
 
     # -- state
@@ -129,22 +130,27 @@ class ServerProcess:
 
     # -- start
 
-    def start(self, timeout: float = 600) -> ServerProcess:
-        """Start the command and wait until it is ready; on any failure the server is stopped
-        and the error says why (ServerDied: it exited; TimeoutError: not ready in time)."""
+    def launch(self) -> ServerProcess:
+        """Start the command and return at once (`wait_until_ready` waits; `start` does both)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.output_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
+        self.launched = time.monotonic()
         with open(self.output_path, "w") as output:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=output, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
+        return self
+
+    def start(self, timeout: float = 600) -> ServerProcess:
+        """Start the command and wait until it is ready; on any failure the server is stopped
+        and the error says why (ServerDied: it exited; TimeoutError: not ready in time)."""
+        self.launch()
         try:
             self.wait_until_ready(timeout)
         except BaseException:
             self.stop()
             raise
-        self.startup_s = time.monotonic() - started
+        self.startup_s = time.monotonic() - self.launched
         return self
 
     def wait_until_ready(self, timeout: float) -> None:

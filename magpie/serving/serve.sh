@@ -30,8 +30,8 @@
 #   MEMGUARD_MIN_AVAILABLE=6GiB   the guard stops the server under this MemAvailable
 #   MEMGUARD_ARGS=          more memory-guard options of `memguard run` (PSI, swap, driver errors: its --help)
 #   MEM_HARD_LIMIT=         cgroup v2 hard memory limit for the server, e.g. 110GiB (empty: none)
-#   WATCHDOG=stop           liveness watchdog: stop (a stalled server), restart (stop, then launch again),
-#                           report (log only), 0 (none)
+#   WATCHDOG=stop           liveness watchdog: stop (a stalled server), restart (stop, then launch again;
+#                           also after an engine death), report (log only), 0 (none)
 #   WATCHDOG_RESTARTS=3     at most this many restarts under WATCHDOG=restart
 #   WATCHDOG_ARGS=          more `watchdog.py watch` options (--stall-after, --probe-interval, ...)
 #   JIT_CHECK=auto          require ninja + nvcc for FlashInfer's JIT: auto (when an NVIDIA GPU is visible), 1, 0
@@ -40,13 +40,16 @@
 #   STOP_GRACE=30           seconds a stopping server gets after SIGTERM before its group gets SIGKILL
 #   OVERWRITE=0             1 = replace an existing LOG
 #
-# Extra arguments go to `vllm serve` last, so they override the profile and the variables above.
+# Extra arguments go to `vllm serve` last, so they override the profile and the variables above,
+# except the ones serve.sh checks (MODEL, HOST, PORT, --hf-overrides, --speculative-config,
+# --engram-config): an extra argument that changes one is refused (use the variables or a profile).
 # Two GB10s, tensor parallel over Ray: docs/serving.md has the recipe.
 #
-# serve.sh stays in the foreground until the server exits. Its exit status is the server's
-# (128 + N after signal N), 3 when the memory guard stopped it, 4 when the watchdog stopped it and
-# no restart was left, 1 for a refused start. SIGINT or SIGTERM stops the server's process group
-# (SIGKILL after STOP_GRACE seconds if it is still there). The top of LOG records the exact
+# serve.sh stays in the foreground until the server exits. Exit status: 0 the server stopped
+# cleanly after a stop; 1 a refused start; 3 the memory guard stopped it; 4 the watchdog stopped it
+# and no restart was left; 5 its engine died (WATCHDOG=restart starts it again, if it had served);
+# 128 + N it died of signal N; else vLLM's own status. SIGINT or SIGTERM stops the server's process
+# group (SIGKILL after STOP_GRACE seconds if it is still there). The top of LOG records the exact
 # command, the profile, the environment, the versions and the patch status; LOG.launch.json holds
 # the same as data (the run manifest).
 # The logic lives in launch.py (plan, exec), memguard.py (`run`: the supervisor) and watchdog.py;

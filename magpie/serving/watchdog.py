@@ -7,13 +7,22 @@ watchdog reads the server's own counters instead. The server is stalled when
 - requests are running or waiting (`vllm:num_requests_running` + `vllm:num_requests_waiting` > 0)
   and no progress counter moved (`vllm:generation_tokens_total`, `vllm:prompt_tokens_total`,
   `vllm:iteration_tokens_total_count`) for `--stall-after` seconds; or
-- the server is idle and a one-token completion (`--probe-interval` > 0; off by default, since a
-  probe adds a request a benchmark would count) gets no answer within `--probe-timeout` while the
-  counters do not move either; or
+- the engine reports itself idle and a probe (a short completion of one output token) gets no
+  answer within `--probe-timeout` while the counters do not move either. The running/waiting
+  counts come from the engine, so a stopped engine reports 0 forever while requests hang in the API
+  server: only the probe sees that. It runs when nothing ran and no counter moved for
+  `--probe-interval` seconds (default 60; 0 = off), so a benchmark keeping the server busy never
+  gets one; or
 - `/metrics` itself does not answer for `--stall-after` seconds.
 
-Before the server first answers `/health` (weight loading, compilation: ~10 minutes for
-Flash-Next), nothing is judged. What happens on a stall is the policy `--on-stall`: `stop`
+The probe's prompt has several tokens (PROBE_PROMPT): a one-token prompt crashes vLLM 0.29.0's CPU
+build whenever MTP is on.
+
+Judging starts when the server serves: its first healthy `/health`, or the line uvicorn prints
+once it serves ("Application startup complete.") in `--server-log` (read from the watchdog's
+start on), whichever comes first, so that a server that freezes right after it became healthy is
+judged. Before that (weight loading, compilation: ~10 minutes for Flash-Next) nothing is judged.
+What happens on a stall is the policy `--on-stall`: `stop`
 (SIGTERM and SIGCONT to the server's process group, SIGKILL after `--grace`; exit 4) or `report`
 (log it, keep watching, log again when the engine moves). serve.sh's `WATCHDOG=restart` launches
 the server again after a `stop`.
@@ -40,6 +49,8 @@ from magpie import cli
 from magpie.serving import memguard
 from magpie.serving.metrics import MetricsSnapshot
 
+# Several tokens with any tokenizer (a one-token prompt crashes vLLM 0.29.0's CPU build under MTP).
+PROBE_PROMPT = "Watchdog probe: answer with one word. Are you there?"
 PROGRESS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:iteration_tokens_total_count")
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
@@ -60,6 +71,8 @@ class Watchdog:
         self.guard = memguard.Guard(args.pid, 0, args.grace, args.interval, log)
         self.guard.log = self.log
         self.guard.who = "the watchdog"
+        # From now on only: an earlier start's line (a restart appends to the same log) is not this one's.
+        self.server_log = memguard.LogFollower(args.server_log, from_start=False) if args.server_log else None
 
     def log(self, message: str) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -76,11 +89,20 @@ class Watchdog:
         except (urllib.error.URLError, OSError):
             return False
 
+    def serving(self) -> bool:
+        """Whether the server serves: /health answers, or its log says uvicorn serves."""
+        if self.server_log is not None and any(memguard.SERVING_LINE in line for line in self.server_log.lines()):
+            self.log(f"the server log {self.args.server_log} says the server serves")
+            return True
+        return self.healthy()
+
     def probe(self) -> str | None:
-        """One-token completion; None when it answered, else what went wrong."""
+        """A completion of PROBE_PROMPT and one output token; None when it answered, else what went wrong
+        (`probe_refused`: it answered with an HTTP error, which is not counted as a stall)."""
+        self.probe_refused = False
         try:
             model = json.loads(self.get("/v1/models", 10))["data"][0]["id"]
-            body = json.dumps({"model": model, "prompt": "1", "max_tokens": 1, "temperature": 0}).encode()
+            body = json.dumps({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}).encode()
             request = urllib.request.Request(
                 self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
             )
@@ -88,26 +110,33 @@ class Watchdog:
                 resp.read()
             return None
         except urllib.error.HTTPError as e:
-            self.log(f"warning: the one-token probe got HTTP {e.code}; not counted as a stall")
+            self.log(f"warning: the probe got HTTP {e.code}; not counted as a stall")
+            self.probe_refused = True
             return None
         except (urllib.error.URLError, OSError) as e:
-            return f"the one-token probe got no answer within {self.args.probe_timeout:g} s ({e})"
+            return f"the probe got no answer within {self.args.probe_timeout:g} s ({e})"
 
     def run(self) -> int:
         args = self.args
         self.log(
             f"watching server PID {args.pid} at {self.url}: stalled when no progress counter moves for "
             f"{args.stall_after:g} s while requests run or wait"
-            + (f", or a one-token probe every {args.probe_interval:g} s gets no answer" if args.probe_interval else "")
+            + (
+                f", or a probe after {args.probe_interval:g} idle s gets no answer within {args.probe_timeout:g} s"
+                if args.probe_interval
+                else "; no probe (--probe-interval 0): a stopped idle engine is not seen"
+            )
             + f"; policy {args.on_stall}"
         )
-        while not self.healthy():  # start-up: nothing to judge yet
+        while not self.serving():  # start-up: nothing to judge yet
             if not self.guard.alive():
                 self.log(f"server PID {args.pid} exited; the watchdog exits")
                 return 0
-            time.sleep(args.interval)
+            time.sleep(min(args.interval, 1.0))
         self.log("server healthy; watching its counters")
         progress, moved_at, last_probe, answered_at = None, time.monotonic(), time.monotonic(), time.monotonic()
+        active_at = time.monotonic()  # the last time requests ran or a counter moved
+        probed = False
         stalled = False
         while True:
             if not self.guard.alive():
@@ -126,6 +155,8 @@ class Watchdog:
                 sums = metric_sums(page, PROGRESS + BUSY)
                 current = tuple(sums[name] for name in PROGRESS)
                 busy = sums["vllm:num_requests_running"] + sums["vllm:num_requests_waiting"]
+                if current != progress or busy > 0:
+                    active_at = now
                 if current != progress or busy == 0:
                     if stalled and current != progress:
                         self.log(f"engine moving again: generation_tokens_total {sums[PROGRESS[0]]:.0f}")
@@ -137,9 +168,19 @@ class Watchdog:
                         f"{now - moved_at:.0f} s while {sums[BUSY[0]]:.0f} request(s) run and "
                         f"{sums[BUSY[1]]:.0f} wait"
                     )
-                if reason is None and busy == 0 and args.probe_interval and now - last_probe >= args.probe_interval:
+                if (
+                    reason is None
+                    and busy == 0
+                    and args.probe_interval
+                    and now - active_at >= args.probe_interval
+                    and now - last_probe >= args.probe_interval
+                ):
                     last_probe = now
+                    asked = time.monotonic()
                     failure = self.probe()
+                    if failure is None and not self.probe_refused and not probed:
+                        probed = True
+                        self.log(f"first probe answered in {time.monotonic() - asked:.1f} s")
                     after = self.get_progress()
                     if failure and after == progress:
                         reason = f"stalled engine: {failure}, and no counter moved"
@@ -169,11 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-after", type=float, default=300.0, help="seconds without progress that make a stall")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between two /metrics readings")
     p.add_argument("--metrics-timeout", type=float, default=30.0, help="timeout of one /metrics request")
-    p.add_argument("--probe-interval", type=float, default=0.0, help="idle seconds between one-token probes; 0 = off")
+    p.add_argument(
+        "--probe-interval", type=float, default=60.0, help="idle seconds before a probe, and between two; 0 = off"
+    )
     p.add_argument("--probe-timeout", type=float, default=60.0, help="seconds a probe may take")
     p.add_argument("--on-stall", choices=("stop", "report"), default="stop", help="the policy")
     p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--log", help="append messages to this file (default: stderr)")
+    p.add_argument(
+        "--server-log", help="the server's output: uvicorn's start-up line there starts the judging (serve.sh: LOG)"
+    )
     args = parser.parse_args(argv)
     log = open(args.log, "a") if args.log else sys.stderr
     try:

@@ -5,6 +5,7 @@ No vLLM server is started here: serve.sh must refuse before it would launch one.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -23,6 +24,7 @@ from magpie import TOOLS
 from magpie.measure import gsm8k_eval, trace_split
 from magpie.serving import memguard
 from magpie.serving.metrics import MetricsSnapshot
+from magpie.serving.process import group_members
 from tests.serving.helpers import MEASURE, PYTHON, REPO, run_tool, tool
 
 SERVE_SH = REPO / "magpie" / "serving" / "serve.sh"
@@ -257,6 +259,56 @@ def test_memguard_run_guards_the_command_it_starts_and_returns_its_status(tmp_pa
     cmd = ["memguard", "run", "--min-available", str(threshold), "--interval", "0.05", "--grace", "10"]
     proc = run_tool(*cmd, "--", sys.executable, str(script), env=env, timeout=120)
     assert proc.returncode == 3 and "stopped by the memory guard" in proc.stderr
+
+
+# A server whose worker outlives it: the leader forks a child that ignores SIGTERM (as vLLM's engine
+# core took 12 s to go after a kill -9 of its API server), writes the child's PID, and waits.
+LEADER_WITH_STUBBORN_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    child = os.fork()
+    if child == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(300)
+        os._exit(0)
+    with open(sys.argv[1], "w") as f:
+        f.write(str(child))
+    time.sleep(300)
+    """
+)
+
+
+def test_memguard_run_kills_what_outlives_a_killed_server_after_the_grace(tmp_path):
+    script = tmp_path / "leader.py"
+    script.write_text(LEADER_WITH_STUBBORN_WORKER)
+    worker_file, pid_file, log = tmp_path / "worker.pid", tmp_path / "server.pid", tmp_path / "run.log"
+    cmd = [*tool("memguard"), "run", "--no-guard", "--grace", "2", "--pid-file", str(pid_file), "--log", str(log)]
+    supervisor = subprocess.Popen([*cmd, "--", sys.executable, str(script), str(worker_file)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (worker_file.exists() and worker_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        leader, worker = int(pid_file.read_text()), int(worker_file.read_text())
+        os.kill(leader, signal.SIGKILL)
+        killed = time.monotonic()
+        assert supervisor.wait(timeout=30) == 128 + signal.SIGKILL
+        waited = time.monotonic() - killed
+        assert group_members(leader) == [], "the worker outlived its server and the grace"  # gone, or a zombie
+        assert 2 <= waited < 10, f"the worker got SIGKILL {waited:.1f} s after its server died (--grace 2)"
+        text = log.read_text()
+        assert f"process(es) of the server's group {leader} (PIDs {worker}) still running 2 s" in text, text
+        assert "the server exited with status 137" in supervisor.stderr.read().decode()
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+        with contextlib.suppress(ProcessLookupError, ValueError, OSError):
+            os.kill(int(worker_file.read_text()), signal.SIGKILL)
+
+
+def test_memguard_run_says_when_its_server_exits_0_without_a_stop(tmp_path):
+    proc = run_tool("memguard", "run", "--no-guard", "--", sys.executable, "-c", "pass")
+    assert proc.returncode == 0
+    assert "exited with status 0 without a stop from this supervisor" in proc.stderr, proc.stderr
 
 
 def test_memguard_refuses_a_pid_in_its_own_process_group(tmp_path):

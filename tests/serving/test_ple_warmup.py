@@ -50,23 +50,30 @@ def test_warm_reads_up_to_the_budget_with_progress_then_evict_drops_it(checkpoin
     assert status == 0 and result["after"]["resident_bytes"] < table // 100, result
     budget = table // 3
     status, result, stderr = warmup("warm", str(checkpoint), "--budget", str(budget), "--min-available", "1MiB")
+    # What the tool guarantees: it read exactly the budget, and no more. What stays resident is the
+    # kernel's to decide (page cache is reclaimable: a loaded machine kept 99.77 % of a full warm-up),
+    # so residency is only bounded from above (the kernel may fill large folios around the last read:
+    # +4 KiB to +14 MiB seen on this 33 MiB budget; kernel 6.18, ext4, read_ahead_kb 8192) and must
+    # have grown from the evicted state.
     assert status == 0 and result["warm"]["read_bytes"] == budget and result["warm"]["stopped"] is None
     resident = result["after"]["resident_bytes"]
-    # The reads stop at the budget; the kernel may still fill large folios around the last read (seen
-    # here: +4 KiB to +14 MiB on this 33 MiB budget; kernel 6.18, ext4, read_ahead_kb 8192).
-    assert budget <= resident <= budget + (16 << 20), (budget, resident)
-    print(f"budget {budget} B, resident after warm-up {resident} B (+{resident - budget} B)")
+    assert result["before"]["resident_bytes"] < resident <= budget + (16 << 20), (budget, result)
+    print(f"budget {budget} B, resident after warm-up {resident} B ({resident - budget:+} B)")
     assert "ple_warmup: " in stderr and "(100%)" in stderr.splitlines()[-1]
     status, result, _ = warmup("warm", str(checkpoint), "--budget", "1TiB", "--min-available", "1MiB")
-    assert result["warm"]["planned_bytes"] == table and result["after"]["resident_fraction"] == 1.0
+    assert status == 0 and result["warm"]["planned_bytes"] == result["warm"]["read_bytes"] == table
+    assert result["after"]["resident_bytes"] > resident
+    print(f"full warm-up: {result['after']['resident_fraction']:.2%} of the table resident afterwards")
     status, result, _ = warmup("evict", str(checkpoint))
-    assert result["before"]["resident_fraction"] == 1.0 and result["after"]["resident_bytes"] < table // 100
+    assert result["after"]["resident_bytes"] < min(table // 100, result["before"]["resident_bytes"])
 
 
 def test_warm_stops_when_memory_runs_short(checkpoint):
-    status, result, _ = warmup("warm", str(checkpoint), "--budget", "1GiB", "--min-available", "100TiB")
+    status, result, stderr = warmup("warm", str(checkpoint), "--budget", "1GiB", "--min-available", "100TiB")
     assert status == 3 and result["warm"]["read_bytes"] == 0
     assert result["warm"]["stopped"].startswith("MemAvailable ") and "< --min-available" in result["warm"]["stopped"]
+    # Not silent: one line on stderr says why it stopped and how much it read.
+    assert f"ple_warmup.py: stopped early: {result['warm']['stopped']}; read 0.00 GiB of the" in stderr, stderr
 
 
 def test_a_checkpoint_without_the_table_is_refused_by_name(tmp_path, checkpoint):

@@ -159,9 +159,11 @@ def test_an_unknown_profile_names_the_known_ones(monkeypatch):
         launch.profile_path("gb11")
 
 
-def _plan(tmp_path: Path, model: Path, cwd: Path | None = None, *extra: str, **env: str):
-    log = tmp_path / "server.log"
-    full_env = vllm_env(None, MODEL=str(model), PLE="0", JIT_CHECK="0", **env)
+def _plan(tmp_path: Path, model: Path, cwd: Path | None = None, *extra: str, log: Path | None = None, **env: str):
+    log = log or tmp_path / "server.log"
+    # Temporary folders of the plan (its working directory, if one were made) go under tmp_path/tmp.
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    full_env = vllm_env(None, MODEL=str(model), PLE="0", JIT_CHECK="0", TMPDIR=str(tmp_path / "tmp"), **env)
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "MAX_JOBS", "FLASHINFER_NVCC_THREADS"):
         if name not in env:
             full_env.pop(name, None)
@@ -174,7 +176,7 @@ def _plan(tmp_path: Path, model: Path, cwd: Path | None = None, *extra: str, **e
         timeout=120,
         check=False,
     )
-    plan = json.loads((tmp_path / "server.log.launch.json").read_text()) if proc.returncode == 0 else None
+    plan = json.loads(Path(manifest.path_for(log)).read_text()) if proc.returncode == 0 else None
     return proc, plan, (log.read_text() if log.exists() else "")
 
 
@@ -189,8 +191,7 @@ def test_plan_applies_and_explains_the_gb10_settings_and_keeps_yours(tmp_path, t
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8" and "--no-enable-flashinfer-autotune" in argv
     assert argv[-2:] == ["--served-model-name", "tiny"], "extra arguments come last, so they win"
     assert re.search(r"^# command: .*-m vllm\.entrypoints\.cli\.main serve ", header, re.M)
-    assert plan["cwd"] != str(tmp_path) and os.listdir(plan["cwd"]) == []
-    os.rmdir(plan["cwd"])
+    assert plan["cwd"] != str(tmp_path) and not os.path.exists(plan["cwd"]), "`launch exec` creates it"
 
     (tmp_path / "server.log").unlink()
     proc, plan, header = _plan(
@@ -198,7 +199,7 @@ def test_plan_applies_and_explains_the_gb10_settings_and_keeps_yours(tmp_path, t
     )
     assert proc.returncode == 0 and "PYTORCH_CUDA_ALLOC_CONF" not in plan["env"]
     assert "# GB10 settings: not applied" in header
-    os.rmdir(plan["cwd"])
+    assert not os.path.exists(plan["cwd"])
     (tmp_path / "server.log").unlink()
     proc, plan, header = _plan(
         tmp_path,
@@ -210,7 +211,7 @@ def test_plan_applies_and_explains_the_gb10_settings_and_keeps_yours(tmp_path, t
     )
     assert "PYTORCH_CUDA_ALLOC_CONF" not in plan["env"] and plan["env"]["MAX_JOBS"] == "4"
     assert "# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (yours, kept" in header
-    os.rmdir(plan["cwd"])
+    assert not os.path.exists(plan["cwd"])
 
 
 def test_plan_refuses_relative_paths_among_the_vllm_arguments(tmp_path, tiny_mtp_model):
@@ -218,11 +219,119 @@ def test_plan_refuses_relative_paths_among_the_vllm_arguments(tmp_path, tiny_mtp
     (tmp_path / "tiny").mkdir()  # a bare word that happens to name a folder here is a name, not a path
     proc, plan, header = _plan(tmp_path, tiny_mtp_model, tmp_path, "--served-model-name", "tiny")
     assert proc.returncode == 0, proc.stderr
-    os.rmdir(plan["cwd"])
+    assert not os.path.exists(plan["cwd"])
     (tmp_path / "server.log").unlink()
     proc, plan, header = _plan(tmp_path, tiny_mtp_model, tmp_path, "--chat-template", "template.jinja")
     assert proc.returncode == 1 and plan is None and header == ""
     assert "template.jinja: relative path(s) among the vLLM arguments" in proc.stderr and "absolute" in proc.stderr
+
+
+def assert_refused_leaving_nothing(tmp_path: Path, proc, plan, header: str, *needles: str) -> None:
+    assert proc.returncode == 1 and plan is None and header == "", proc.stderr
+    # One line (torch, which preflight's keep-set reader imports, may log a warning above it).
+    assert proc.stderr.splitlines()[-1].startswith("serve.sh: refusing to start: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+    assert not (tmp_path / "server.log").exists()
+    assert not (tmp_path / "server.log.launch.json").exists() and list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        # Planned with rc 0 before: ple_mmap on this unpatched vLLM (the ple_ssd check never saw it).
+        (["--hf-overrides", '{"ple_mmap": true}'], 'change --hf-overrides ({} -> {"ple_mmap": true})'),
+        # vLLM's other spellings of the same options: underscores, dotted keys, the short alias.
+        (["--hf_overrides.ple_mmap", "true"], "change --hf-overrides"),
+        (["-sc.num_speculative_tokens", "5"], "change --speculative-config"),
+        (["--port", "9999"], "change --port (18111 -> 9999)"),
+    ],
+)
+def test_plan_refuses_extra_arguments_that_change_a_checked_option(tmp_path, tiny_mtp_model, extra, needle):
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, *extra, PROFILE="seed-gb10", MTP="2")
+    assert_refused_leaving_nothing(tmp_path, proc, plan, header, needle, "set it through ")
+
+
+def test_plan_refuses_a_later_speculative_config_that_replaces_the_checked_keep_set(
+    tmp_path, tiny_mtp_model, patched_vllm
+):
+    # The keep-set was checked (and the manifest would name it); a later --speculative-config drops it.
+    keep, _ = _keep_set(tmp_path, tiny_mtp_model)
+    other = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    proc, plan, header = _plan(
+        tmp_path,
+        tiny_mtp_model,
+        None,
+        "--speculative-config",
+        other,
+        MTP="2",
+        DRAFT_VOCAB_PATH=str(keep),
+        PYTHONPATH=str(patched_vllm),
+    )
+    assert_refused_leaving_nothing(tmp_path, proc, plan, header, "change --speculative-config", "MTP and DRAFT_VOCAB")
+    assert f'"draft_vocab_path": "{keep}"}} -> {other})' in proc.stderr
+    # A --config file among the extra arguments: vLLM reads it below the command line, so it cannot
+    # replace what serve.sh set, but it can add what serve.sh did not check (a keep-set with MTP=0).
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_path": str(keep)})
+    (tmp_path / "extra.yaml").write_text(f"speculative-config: {spec}\n")
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, "--config", str(tmp_path / "extra.yaml"), MTP="0")
+    assert_refused_leaving_nothing(tmp_path, proc, plan, header, f"change --speculative-config (null -> {spec})")
+
+
+def test_plan_refuses_extra_arguments_vllm_would_not_parse(tmp_path, tiny_mtp_model):
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, "--max-num-seqs", "many", MTP="0")
+    assert_refused_leaving_nothing(tmp_path, proc, plan, header, "vLLM would not start with them", "many")
+
+
+def test_plan_refuses_false_for_a_switch_without_a_no_form(tmp_path, tiny_mtp_model):
+    profile = tmp_path / "mine.yaml"
+    profile.write_text("max-num-seqs: 2\ndisable-log-stats: false\n")
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, PROFILE=str(profile), MTP="0")
+    assert_refused_leaving_nothing(
+        tmp_path, proc, plan, header, f"profile {profile}: `disable-log-stats: false`", "no --no-disable-log-stats"
+    )
+    # A spelling serve.sh's checks would not read is refused too.
+    profile.write_text('speculative_config: {"method": "mtp", "num_speculative_tokens": 2}\n')
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, PROFILE=str(profile))
+    assert_refused_leaving_nothing(tmp_path, proc, plan, header, "key 'speculative_config'", "'speculative-config'")
+
+
+def test_plan_refuses_a_malformed_config_json_by_name(tmp_path, tiny_mtp_model):
+    model = tmp_path / "model"
+    model.mkdir()
+    for entry in tiny_mtp_model.iterdir():
+        (model / entry.name).symlink_to(entry)
+    (model / "config.json").unlink()
+    (model / "config.json").write_text('{"architectures": ["Qwen3_5ForCausalLM"],')
+    proc, plan, header = _plan(tmp_path, model, None, MTP="0")
+    assert_refused_leaving_nothing(tmp_path, proc, plan, header, f"{model}/config.json cannot be read as JSON")
+    (model / "config.json").write_text("[1, 2]")
+    proc, plan, header = _plan(tmp_path, model, None, MTP="0")
+    assert_refused_leaving_nothing(tmp_path, proc, plan, header, "holds a JSON list, not an object")
+
+
+def test_plan_refuses_an_unwritable_log_and_leaves_no_folder(tmp_path, tiny_mtp_model):
+    # /proc takes no new file, even from root (a chmod would not stop root).
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, log=Path("/proc/server.log"), MTP="0")
+    assert proc.returncode == 1 and "LOG=/proc/server.log: cannot write in /proc" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and list((tmp_path / "tmp").iterdir()) == []
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, log=tmp_path / "no" / "server.log", MTP="0")
+    assert proc.returncode == 1 and f"the folder {tmp_path / 'no'} does not exist" in proc.stderr, proc.stderr
+
+
+def test_plan_alone_leaves_no_working_directory_and_exec_creates_it(tmp_path, tiny_mtp_model):
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, MTP="0")
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "tmp").iterdir()) == [], "a plan that is never run leaves no folder"
+    assert plan["cwd"].startswith(str(tmp_path / "tmp")) and proc.stdout.strip() == plan["cwd"]
+    # `launch exec` creates it and becomes the command there: here a plan whose argv is `pwd`.
+    plan["argv"] = ["pwd"]
+    plan_path = tmp_path / "pwd.launch.json"
+    plan_path.write_text(json.dumps(plan))
+    ran = subprocess.run([*tool("launch"), "exec", str(plan_path)], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and ran.stdout.strip() == plan["cwd"], ran.stderr
+    os.rmdir(plan["cwd"])
 
 
 SHADOW = (
@@ -308,7 +417,7 @@ def test_plan_writes_a_manifest_that_holds_what_the_header_says(tmp_path, tiny_m
         PYTHONPATH=str(patched_vllm),
     )
     assert proc.returncode == 0, proc.stderr
-    os.rmdir(plan["cwd"])
+    assert not os.path.exists(plan["cwd"])
     log = tmp_path / "server.log"
     record = manifest.load(log)
     assert record == plan and manifest.load(str(log) + ".launch.json") == record
@@ -402,7 +511,7 @@ def test_plan_on_a_gb10_records_its_gpu_and_driver_from_nvidia_smi(tmp_path, tin
     path = os.pathsep.join([str(bin_dir), os.environ["PATH"]])
     proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, PROFILE="hopper", MTP="0", PATH=path)
     assert proc.returncode == 0, proc.stderr
-    os.rmdir(plan["cwd"])
+    assert not os.path.exists(plan["cwd"])
     assert plan["versions"]["gpu"] == [{"name": "NVIDIA GB10", "sm": "121"}]
     assert plan["versions"]["driver"] == "580.95.05"
     assert plan["gb10"]["applied"] and "# GB10 settings: applied (nvidia-smi reports a GB10)" in header

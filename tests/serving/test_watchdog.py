@@ -1,12 +1,17 @@
-"""The liveness watchdog against a real vLLM CPU server made to stall.
+"""The liveness watchdog against a real vLLM CPU server with MTP on, made to stall.
 
 The stall is real: the engine-core process (a child in the server's own process group) is stopped
 with SIGSTOP while a request runs, so the API server keeps answering /health and /metrics while no
-token is generated, which is what a wedged engine looks like from outside.
+token is generated, which is what a wedged engine looks like from outside; or the API server
+itself is stopped. MTP is on (as in every shipped profile): the watchdog's probe must be a request
+the served configuration can take (a one-token prompt crashes vLLM 0.29.0's CPU build under MTP).
+The model has random weights, so drafts are mostly rejected and a long request lasts as long as
+without MTP.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -34,20 +39,48 @@ def engine_core_pid(server: VllmServer) -> int:
     return found[0]
 
 
+MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_mtp_model):
-    log = tmp_path_factory.mktemp("watchdog") / "server.log"
-    # The longest context the tiny model allows, so that one request outlasts the test's pauses.
+def server(tmp_path_factory, tiny_random_model):
+    folder = tmp_path_factory.mktemp("watchdog")
+    # The longest context the tiny model allows, so that one request outlasts the test's pauses; MTP
+    # on CPU needs prefix caching off.
     server = VllmServer(
-        tiny_mtp_model, ["--no-enable-prefix-caching"], env=vllm_env(), log_path=log, max_model_len=4096
+        tiny_random_model,
+        ["--no-enable-prefix-caching", *MTP],
+        env=vllm_env(),
+        log_path=folder / "server.log",
+        max_model_len=4096,
     )
-    server.start()
+    server.launch()
+    # A watchdog from the server's start on (test_watchdog_judges_a_server_frozen_right_after_it_served
+    # reads it), held with SIGSTOP once it watches, so that it cannot see a healthy /health.
+    early_log = folder / "early-watchdog.log"
+    early = start_watchdog(
+        server,
+        early_log,
+        *("--server-log", str(server.log_path), "--stall-after", "5", "--metrics-timeout", "2"),
+        *("--on-stall", "report"),
+    )
+    server.early_watchdog = (early, early_log)
+    try:
+        wait_for(early_log, "watching server PID", 60)
+        os.kill(early.pid, signal.SIGSTOP)
+        server.wait_until_ready(600)
+    except BaseException:
+        server.stop()
+        raise
     yield server
-    for pid in group_members(server.pid):
+    for pid in [*group_members(server.pid), early.pid]:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
+    if early.poll() is None:
+        early.kill()
+        early.wait()
     server.stop()
 
 
@@ -79,6 +112,27 @@ def start_watchdog(server: VllmServer, log: Path, *options: str) -> subprocess.P
     cmd = [*tool("watchdog"), "watch", "--pid", str(server.pid), "--url", server.url]
     cmd += ["--interval", "0.5", "--grace", "20", "--log", str(log), *options]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_watchdog_judges_a_server_frozen_right_after_it_served(server):
+    # The watchdog never saw a healthy /health (it was held until now); the API server freezes.
+    # Before, it waited for a first healthy /health forever; vLLM's own line in the log starts the
+    # judging, and /metrics not answering is the stall.
+    early, log = server.early_watchdog
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        os.kill(early.pid, signal.SIGCONT)
+        text = wait_for(log, "/metrics has not answered for", 60)
+        assert f"the server log {server.log_path} says the server serves" in text
+        assert "(policy report: left running)" in text and early.poll() is None
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        early.terminate()
+    assert early.wait(timeout=30) == 0
+    deadline = time.monotonic() + 60
+    while not server.ready() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert server.ready(), "the server answers again once continued"
 
 
 def wait_for(path: Path, needle: str, timeout: float) -> str:
@@ -129,23 +183,23 @@ def test_watchdog_reports_a_frozen_generation_counter_while_health_stays_green(s
         assert watchdog.wait(timeout=30) == 0
 
 
-def test_watchdog_probe_finds_an_idle_stalled_engine_and_stops_only_its_server(server, tmp_path):
-    # Last test of the module: it stops the server.
+def test_watchdog_default_probe_finds_a_stopped_idle_engine_and_stops_only_its_server(server, tmp_path):
+    # Last test of the module: it stops the server. No --probe-interval: the default probes an idle
+    # engine (its running/waiting counts, which come from the engine, read 0 once it is stopped).
     engine = engine_core_pid(server)
     bystander = subprocess.Popen([PYTHON, "-c", "import time; time.sleep(300)"], start_new_session=True)
     log = tmp_path / "watchdog.log"
     assert running(server) == 0
-    watchdog = start_watchdog(
-        server, log, "--stall-after", "600", "--probe-interval", "2", "--probe-timeout", "5", "--on-stall", "stop"
-    )
+    watchdog = start_watchdog(server, log, "--stall-after", "600", "--probe-timeout", "5", "--on-stall", "stop")
     try:
         wait_for(log, "server healthy; watching its counters", 30)
-        time.sleep(3)  # at least one probe answered while the engine runs
-        assert watchdog.poll() is None
+        # The probe is a request this configuration (MTP on) can take: answered, and the engine lives.
+        wait_for(log, "first probe answered in", 150)
+        assert "probe got HTTP" not in log.read_text() and server.ready() and watchdog.poll() is None
         os.kill(engine, signal.SIGSTOP)
-        assert watchdog.wait(timeout=90) == 4, log.read_text()
+        assert watchdog.wait(timeout=200) == 4, log.read_text()
         text = log.read_text()
-        assert "stalled engine: the one-token probe got no answer within 5 s" in text
+        assert "stalled engine: the probe got no answer within 5 s" in text and "no counter moved" in text
         assert f"stopping process group {server.pid}" in text and "stopped by the watchdog" in text
         assert server.proc.wait(timeout=30) is not None
         deadline = time.monotonic() + 30
