@@ -123,8 +123,7 @@ def request_body(args, model: str, messages: list[dict]) -> dict:
 def finish_record(index: int, prompt_id: int, raw: dict, t0: float) -> dict:
     """The published per-request record (times relative to the start of the measured run).
 
-    TTFT, TPOT, ITL and E2E latency as `vllm bench serve` defines them (vllm_client.request_timing;
-    its own decode-rate fields are not used: see the module docstring)."""
+    TTFT, TPOT, ITL and E2E latency as `vllm bench serve` defines them (vllm_client.request_timing)."""
     timing = vllm_client.request_timing(raw)
     end = raw["t_end"] or raw["t_last"] or raw["t_sent"]
     return {

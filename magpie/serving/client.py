@@ -241,10 +241,7 @@ def latency_stats(seconds: list[float]) -> dict | None:
     return out
 
 
-MIN_DECODE_INTERVAL_S = 0.002
-
-
-def request_timing(raw: dict, min_decode_interval_s: float = MIN_DECODE_INTERVAL_S) -> dict:
+def request_timing(raw: dict) -> dict:
     """Per-request figures of one `stream_chat()` record, defined as vLLM 0.29's `vllm bench serve`
     defines them (vllm/benchmarks/lib/endpoint_request_func.py, `calculate_metrics` in
     vllm/benchmarks/serve.py), for the chat endpoint:
@@ -256,24 +253,11 @@ def request_timing(raw: dict, min_decode_interval_s: float = MIN_DECODE_INTERVAL
       tokens, so an ITL is the time of one engine step, not of one token;
     - tpot_s: (e2el - ttft) / (output tokens - 1), for requests of more than one output token.
 
-    And one figure of our own: decode_tok_per_s = 1 / tpot_s, but only where the stream shows a
-    decode interval: at least two output tokens, a chunk with tokens after the first one, and at
-    least `min_decode_interval_s` between the first and the last token. On a saturated host a
-    whole reply can arrive in one burst (first and last token within microseconds); 1 / tpot is
-    then a division by about zero, so such a request is marked unmeasured
-    (decode_unmeasured_reason) instead of being given a meaningless figure.
-    """
-    out = {
-        "ttft_s": None,
-        "e2el_s": None,
-        "itl_s": [],
-        "tpot_s": None,
-        "decode_tok_per_s": None,
-        "decode_interval_s": None,
-        "decode_unmeasured_reason": None,
-    }
+    No per-request decode rate: on a saturated host a whole reply can arrive in one burst, and
+    1 / tpot is then a division by about zero (decode tok/s comes from the engine's own request
+    times: bench_decode)."""
+    out = {"ttft_s": None, "e2el_s": None, "itl_s": [], "tpot_s": None}
     if not raw.get("ok"):
-        out["decode_unmeasured_reason"] = "request failed"
         return out
     choices = raw.get("choice_chunks") or []
     t_sent, tokens = raw["t_sent"], raw["completion_tokens"]
@@ -284,42 +268,7 @@ def request_timing(raw: dict, min_decode_interval_s: float = MIN_DECODE_INTERVAL
         out["e2el_s"] = raw["t_end"] - t_sent
     if out["ttft_s"] is not None and out["e2el_s"] is not None and tokens > 1:
         out["tpot_s"] = (out["e2el_s"] - out["ttft_s"]) / (tokens - 1)
-    if raw.get("t_first") is not None and raw.get("t_last") is not None:
-        out["decode_interval_s"] = raw["t_last"] - raw["t_first"]
-    token_chunks = len(raw.get("chunks") or [])
-    if tokens < 2:
-        out["decode_unmeasured_reason"] = f"{tokens} output token(s): no decode"
-    elif token_chunks < 2:
-        out["decode_unmeasured_reason"] = "every token came in the first chunk: no decode interval"
-    elif out["decode_interval_s"] < min_decode_interval_s:
-        out["decode_unmeasured_reason"] = (
-            f"{tokens - raw['first_chunk_tokens']} tokens arrived within {out['decode_interval_s'] * 1e3:.3f} ms of "
-            f"the first (one burst, under the {min_decode_interval_s * 1e3:g} ms minimum decode interval)"
-        )
-    elif out["tpot_s"] and out["tpot_s"] > 0:
-        out["decode_tok_per_s"] = 1 / out["tpot_s"]
-    else:
-        out["decode_unmeasured_reason"] = "no time between the first token and the end of the stream"
     return out
-
-
-def rate_stats(rates: list[float], unmeasured: int) -> dict | None:
-    """Per-request decode tok/s of the measured requests: median, p10, p90, min, max and the
-    harmonic mean (= 1 / mean time per token). No arithmetic mean: one burst-inflated rate would
-    dominate it, which is exactly what a harmonic mean is immune to."""
-    if not rates:
-        return None
-    ordered = sorted(rates)
-    return {
-        "n": len(ordered),
-        "unmeasured": unmeasured,
-        "median": percentile(ordered, 50),
-        "p10": percentile(ordered, 10),
-        "p90": percentile(ordered, 90),
-        "min": ordered[0],
-        "max": ordered[-1],
-        "harmonic_mean": len(ordered) / sum(1 / r for r in ordered),
-    }
 
 
 def run_workers(concurrency: int, worker: Callable[[], None], stop: threading.Event) -> str:
