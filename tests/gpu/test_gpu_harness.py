@@ -188,12 +188,12 @@ def cpu_setup(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("keep, acceptance", [("cover", 1.0), ("miss", 0.0)])
-def test_one_configuration_runs_through_the_harness_on_the_cpu(cpu_setup, monkeypatch, keep, acceptance):
-    monkeypatch.setattr(harness, "GPUH", cpu_setup)
+def run_greedy_on_the_cpu(root: Path, name: str, model: str, keep: str | None) -> dict:
+    """One greedy_increment configuration through the harness's run_one on the vLLM CPU build
+    (eager, MTP k = 3, the V1 runner: the CPU build has no V2 runner); asserts it ran."""
     cfg = {
-        "name": f"cpu-{keep}",
-        "model": "inc",
+        "name": name,
+        "model": model,
         "compile": "eager",
         "mtp": 3,
         "keep": keep,
@@ -203,8 +203,15 @@ def test_one_configuration_runs_through_the_harness_on_the_cpu(cpu_setup, monkey
         "llm_extra": {"enable_prefix_caching": False},
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"},
     }
-    result = harness.run_one(cfg, 400, cpu_setup / "logs", harness.run_env())
+    result = harness.run_one(cfg, 400, root / "logs", harness.run_env())
     assert result["rc"] == 0 and result["ok"], result.get("failure_excerpt")
+    return result
+
+
+@pytest.mark.parametrize("keep, acceptance", [("cover", 1.0), ("miss", 0.0)])
+def test_one_configuration_runs_through_the_harness_on_the_cpu(cpu_setup, monkeypatch, keep, acceptance):
+    monkeypatch.setattr(harness, "GPUH", cpu_setup)
+    result = run_greedy_on_the_cpu(cpu_setup, f"cpu-{keep}", "inc", keep)
     greedy = result["greedy_increment"]
     assert greedy["exact"] == "8/8"  # the target verifies every token: a miss costs only acceptance
     assert greedy["spec"]["acceptance_per_pos"] == [acceptance] * 3
@@ -257,20 +264,7 @@ def test_the_scale_checkpoint_loads_in_vllm_and_continues_exactly(cpu_setup, mon
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == models.SCALE_FILES
     assert "model.layers.7.self_attn.o_proj.weight" in index["weight_map"] and "mtp.fc.weight" in index["weight_map"]
-    cfg = {
-        "name": "cpu-scale",
-        "model": "scale",
-        "compile": "eager",
-        "mtp": 3,
-        "keep": None,
-        "checks": ["greedy_increment"],
-        "max_num_seqs": 8,
-        "device": "cpu",
-        "llm_extra": {"enable_prefix_caching": False},
-        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"},
-    }
-    result = harness.run_one(cfg, 400, cpu_setup / "logs", harness.run_env())
-    assert result["rc"] == 0 and result["ok"], result.get("failure_excerpt")
+    result = run_greedy_on_the_cpu(cpu_setup, "cpu-scale", "scale", None)
     assert result["greedy_increment"]["exact"] == "8/8"
     assert result["greedy_increment"]["spec"]["acceptance_per_pos"] == [1.0] * 3
 
