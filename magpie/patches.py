@@ -19,7 +19,9 @@ venv inside a project) silently skips paths outside it.
 
 Exit codes: 0 success; 1 the request cannot be carried out (conflict, missing prerequisite,
 with `status --require-applied`: a selected patch is not applied); 2 usage or target error;
-3 (`status`) a patch is conflicting.
+3 (`status`) a patch is conflicting; 141 the reader of stdout stopped early (`| head`), as for
+a process killed by SIGPIPE. A `revert` of every applied patch is refused (1) while a patch is
+conflicting: the tree would be neither stock nor patched.
 """
 
 from __future__ import annotations
