@@ -1,5 +1,5 @@
 """The package's entry point: `python3 magpie TOOL [ARGS...]` (by path, from any folder) or
-`python3 -m magpie TOOL [ARGS...]`; no TOOL lists them."""
+`python3 -m magpie TOOL [ARGS...]`; no TOOL lists them (exit 0), an unknown TOOL exits 2."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from magpie import TOOLS  # noqa: E402
+from magpie.cli import run_piped  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python3 magpie TOOL [ARGS...]   (TOOL --help for its own help)\n\ntools:")
         for name, module in TOOLS.items():
             print(f"  {name:<{width}}  {module}")
-        return 0 if argv else 2
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in TOOLS:
         print(f"magpie: no tool {name!r}; the tools: {', '.join(TOOLS)}", file=sys.stderr)
@@ -33,4 +34,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_piped(main))

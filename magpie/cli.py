@@ -19,9 +19,13 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import signal
+import sys
 from collections.abc import Callable
+
+from magpie.patches import run_piped  # the patch tool stands alone, so it holds the one copy
 
 __all__ = [
     "DEFAULT_URL",
@@ -31,6 +35,8 @@ __all__ = [
     "add_server",
     "parse_size",
     "parser",
+    "require_modules",
+    "run_piped",
     "run_until_stopped",
     "split_doc",
 ]
@@ -39,11 +45,36 @@ DEFAULT_URL = "http://127.0.0.1:8100"
 """Where serve.sh serves by default (its PORT), the URL of every client tool."""
 
 
+# In a docstring that is not raw, an example command continued with a backslash arrives joined:
+# "... --log server.log" + " " + the next line's indent + "--server-log ...". In an indented line
+# that starts as a command does (python3 ..., set ..., VAR=...), a run of spaces longer than the
+# line's indent, not before a `#` comment, is such a join (tables and aligned comments are not).
+_JOINED_LINE = re.compile(r"^( +)((?:\S*python3?|set|nix|vllm|[A-Z_]+=\S*) .*?\S) ( {2,})(?=[^\s#])")
+_JOINED_AGAIN = re.compile(r"^( +)(\S.*?\S) ( {2,})(?=[^\s#])")  # the continuation, joined to the next
+
+
+def _unjoin(line: str) -> str:
+    """An indented example line with each backslash continuation put back on its own line."""
+    parts: list[str] = []
+    indent = len(line) - len(line.lstrip(" "))  # a continuation is indented deeper than its first line
+    pattern = _JOINED_LINE
+    while (match := pattern.match(line)) and len(match.group(3)) > indent:
+        parts.append(f"{match.group(1)}{match.group(2)} \\")
+        line = match.group(3) + line[match.end() :]
+        pattern = _JOINED_AGAIN
+    return "\n".join([*parts, line])
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown after each option's help, the description and epilog kept as written.
 
     A default that says nothing (None, False of a flag, an empty list or string) is not shown,
-    nor is one the help already names with %(default)s."""
+    nor is one the help already names with %(default)s. An example command split over lines
+    with a backslash keeps its lines even where the docstring is not raw (the backslash-newline
+    then joined them)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text("\n".join(map(_unjoin, text.splitlines())), width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
@@ -121,3 +152,17 @@ def run_until_stopped(loop: Callable[[], int]) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def require_modules(tool: str, *modules: str) -> None:
+    """Exit 2 with one line when this Python lacks one of `modules` (e.g. numpy, torch): a tool
+    run by the system's python3 instead of the vLLM environment's says which interpreter to use,
+    not a ModuleNotFoundError from deep inside."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.stderr.write(
+            f"magpie {tool}: this Python ({sys.executable}) has no {', '.join(missing)}; run it with the "
+            f"Python of the vLLM environment, e.g. `.venv/bin/python magpie {tool} ...` in a checkout "
+            "set up by tests/env/setup.sh, or `nix develop`\n"
+        )
+        raise SystemExit(2)

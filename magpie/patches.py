@@ -19,7 +19,9 @@ venv inside a project) silently skips paths outside it.
 
 Exit codes: 0 success; 1 the request cannot be carried out (conflict, missing prerequisite,
 with `status --require-applied`: a selected patch is not applied); 2 usage or target error;
-3 (`status`) a patch is conflicting.
+3 (`status`) a patch is conflicting; 141 the reader of stdout stopped early (`| head`), as for
+a process killed by SIGPIPE. A `revert` of every applied patch is refused (1) while a patch is
+conflicting: the tree would be neither stock nor patched.
 """
 
 from __future__ import annotations
@@ -584,6 +586,15 @@ class Tree:
                     text: str | None = f.read()
             except FileNotFoundError:
                 text = None
+            except IsADirectoryError:
+                raise ToolError(f"{path} is a directory; a patch of this series edits it as a file") from None
+            except UnicodeDecodeError as e:
+                raise ToolError(
+                    f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); a patch edits it as "
+                    "vLLM ships it: restore the file (reinstall vLLM or check out the release)"
+                ) from None
+            except OSError as e:
+                raise ToolError(f"cannot read {path}: {e.strerror}") from None
             self.original[rel] = text
             self.current[rel] = text
         return self.current[rel]
@@ -641,9 +652,12 @@ class Tree:
                 _write(self.root, rel, self.current[rel])
                 done.append(rel)
         except OSError as e:
-            for rel in done:
-                _write(self.root, rel, self.original[rel])
-            raise ToolError(f"writing {rel} failed ({e}); the files already written were restored") from e
+            failed = rel
+            for written in done:
+                _write(self.root, written, self.original[written])
+            raise ToolError(
+                f"writing {os.path.join(self.root, failed)} failed ({e}); the files already written were restored"
+            ) from e
         return changed
 
 
@@ -687,13 +701,13 @@ def _version_of(root: str) -> str:
     for rel in ("vllm/_version.py", "vllm/version.py"):
         path = os.path.join(root, rel)
         if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8", errors="replace") as f:
                 m = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", f.read(), re.M)
             if m:
                 return m.group(1)
     for meta in sorted(glob.glob(os.path.join(root, "vllm*.dist-info", "METADATA"))) + [os.path.join(root, "PKG-INFO")]:
         if os.path.exists(meta):
-            with open(meta, encoding="utf-8") as f:
+            with open(meta, encoding="utf-8", errors="replace") as f:
                 m = re.search(r"^Version:\s*(\S+)", f.read(), re.M)
             if m:
                 return m.group(1)
@@ -1443,7 +1457,8 @@ def print_table(target: Target, folder: str, patches: list[Patch], states) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="patches.py",
+        # argparse's own choice from sys.argv[0]: "patches.py" run by path, "magpie patches" from
+        # the package's entry point, "magpie-patches" as a console script.
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1600,6 +1615,16 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.command == "revert":
             if not args.names:
+                conflicting = [p for p in patches if states[p.name][0] == CONFLICTING]
+                if conflicting:
+                    # Reverting the applied ones would leave the conflicting changes in place: a tree
+                    # that is neither stock nor patched, reported as a success.
+                    raise Refusal(
+                        f"the tree is neither stock nor patched: {conflicting[0].name} is {CONFLICTING} "
+                        f"({states[conflicting[0].name][1]}), so reverting every applied patch would not "
+                        "give stock vLLM back; restore the files it names (reinstall vLLM, or check the "
+                        "release out again), then run `status`"
+                    )
                 chosen = [p for p in patches if states[p.name][0] == APPLIED]
             for patch in chosen:
                 if states[patch.name][0] == CONFLICTING:
@@ -1636,5 +1661,18 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def run_piped(entry) -> int:
+    """entry()'s status; a reader that closed our stdout (`| head`) ends it quietly with 141, the
+    status of a process killed by SIGPIPE, as a C tool would, not with a traceback."""
+    try:
+        status = entry()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_piped(main))

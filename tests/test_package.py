@@ -21,7 +21,7 @@ def test_console_scripts_are_the_tools_of_the_entry_point():
 
 def test_the_entry_point_runs_a_tool_from_any_folder_and_names_the_tools(tmp_path):
     listed = subprocess.run([sys.executable, str(REPO / "magpie")], cwd=tmp_path, capture_output=True, text=True)
-    assert listed.returncode == 2 and all(name in listed.stdout for name in TOOLS)
+    assert listed.returncode == 0 and all(name in listed.stdout for name in TOOLS)  # listing is no failure
     unknown = subprocess.run(
         [sys.executable, str(REPO / "magpie"), "nope"], cwd=tmp_path, capture_output=True, text=True
     )

@@ -258,3 +258,56 @@ def test_real_series_applies_and_reverts_on_sdist_and_installed_package(sdist_co
         assert all(p["state"] == "applied" for p in json.loads(proc.stdout)["patches"])
         assert run_tool("revert", *where, patches_dir=real).returncode == 0
         assert tree_digest(root) == before
+
+
+def test_revert_of_a_half_patched_tree_is_refused_and_changes_nothing(sdist_copy, sdist_root, tmp_path):
+    # demo/0001 applied, and half of demo/0002 by hand (its qwen3_5_mtp.py edit, not its fixture
+    # edit): reverting 0001 alone would leave 0002's half in place and call it done.
+    assert run_tool("apply", "demo/0001", "--target", str(sdist_copy)).returncode == 0
+    patched = copy_vllm(sdist_root, tmp_path / "patched")
+    assert run_tool("apply", "--target", str(patched)).returncode == 0
+    mtp = "vllm/model_executor/models/qwen3_5_mtp.py"
+    shutil.copy(patched / mtp, sdist_copy / mtp)
+    states = status_json("--target", str(sdist_copy))
+    assert states["demo/0001-marker-module.patch"]["state"] == "applied"
+    assert states["demo/0002-touch-mtp.patch"]["state"] == "conflicting"
+    before = tree_digest(sdist_copy)
+    proc = run_tool("revert", "--target", str(sdist_copy))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the tree is neither stock nor patched" in proc.stderr
+    assert "demo/0002-touch-mtp.patch is conflicting" in proc.stderr and "nothing was changed" in proc.stderr
+    assert tree_digest(sdist_copy) == before
+
+
+def test_a_failed_write_names_the_file_that_failed_and_restores_the_ones_written(tmp_path):
+    sys.path.insert(0, str(REPO))
+    from magpie import patches
+
+    (tmp_path / "a.py").write_text("old\n")
+    (tmp_path / "blocker").write_text("a file where the next patched file needs a folder\n")
+    tree = patches.Tree(str(tmp_path))
+    tree.read("a.py")
+    tree.original["blocker/b.py"] = None  # a file the patches create: read() is never asked for it
+    tree.current.update({"a.py": "new\n", "blocker/b.py": "created\n"})
+    with pytest.raises(patches.ToolError) as failure:
+        tree.commit()
+    assert f"writing {tmp_path / 'blocker' / 'b.py'} failed" in str(failure.value)
+    assert "the files already written were restored" in str(failure.value)
+    assert (tmp_path / "a.py").read_text() == "old\n"
+
+
+@pytest.mark.parametrize("damage", ["not_utf8", "directory"])
+def test_a_patched_file_that_is_not_text_is_a_usage_error_naming_it(sdist_copy, damage):
+    spec = sdist_copy / "vllm/config/speculative.py"
+    if damage == "not_utf8":
+        spec.write_bytes(spec.read_bytes() + b"\n# \xff\xfe latin-1 bytes\n")
+    else:
+        spec.unlink()
+        spec.mkdir()
+    for command in ("status", "apply", "revert"):
+        proc = run_tool(command, "--target", str(sdist_copy))
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr
+        reason = "is not UTF-8 text" if damage == "not_utf8" else "is a directory"
+        assert f"error: {spec} {reason}" in proc.stderr
+    assert not (sdist_copy / "vllm/magpie_fixture.py").exists()

@@ -467,6 +467,7 @@ def check_fp8_paths(module, full, sliced, keep, draft_vocab, h, fused, fp8_rows)
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cli.require_modules("bench-draft-head", "torch")
     problem = check_args(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

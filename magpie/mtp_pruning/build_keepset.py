@@ -182,6 +182,7 @@ def check_arguments(args, outputs: list[tuple[str, str | Path | None]]) -> int |
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cli.require_modules("build-keepset", "numpy", "torch", "transformers")
     if (status := check_arguments(args, [("--output", args.output), ("--summary", args.summary)])) is not None:
         return status
     vocab_size = read_vocab_size(Path(args.model)) if args.model else None

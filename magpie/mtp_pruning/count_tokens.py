@@ -326,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cli.require_modules("count-tokens", "numpy", "transformers")
     if args.vocab_size is None and args.model is None:
         print("error: give --model (its config.json has vocab_size) or --vocab-size", file=sys.stderr)
         return 2

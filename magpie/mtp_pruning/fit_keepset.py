@@ -63,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cli.require_modules("fit-keepset", "numpy", "transformers")
     import numpy as np
 
-    args = build_parser().parse_args(argv)
     if (status := check_arguments(args, [("--output", path) for path in output_paths(Path(args.output))])) is not None:
         return status
     try:

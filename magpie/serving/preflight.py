@@ -35,6 +35,7 @@ import glob
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -119,9 +120,20 @@ def read_keep_ids(path: str, vocab_size: int | None = None, module=None):
     module = module or shipped_draft_vocab_module()
     limit = vocab_size if vocab_size is not None else 2**63 - 1  # no upper bound: the caller checks it
     try:
-        return module.validate_keep_ids(module.read_keepset_file(path), limit, path)
+        return module.validate_keep_ids(read_raw_keep_ids(module, path, vocab_size), limit, path)
     except ValueError as e:  # DraftVocabError names the file and the rule broken
         raise Refused(str(e)) from None
+
+
+def read_raw_keep_ids(module, path: str, max_ids: int | None):
+    """The keep-set file's tensor as MODULE reads it, reading no more than MAX_IDS ids (the
+    vocabulary; None: the module's own bound) where the module bounds what it reads (header
+    first: a file that claims more is refused unread). An older patch revision reads it whole."""
+    if "max_ids" not in inspect.signature(module.read_keepset_file).parameters:
+        return module.read_keepset_file(path)
+    if max_ids is None:
+        return module.read_keepset_file(path)
+    return module.read_keepset_file(path, max_ids=max_ids)
 
 
 def is_every_id(ids, vocab: int) -> bool:
@@ -146,7 +158,7 @@ def keep_set_figures(path: str, model: str) -> dict:
         raise Refused(f"DRAFT_VOCAB_PATH is set but {model}/config.json gives no vocab_size to check the ids against")
     module = draft_vocab_module()
     try:
-        raw = module.read_keepset_file(path)
+        raw = read_raw_keep_ids(module, path, vocab)
         if is_every_id(raw, vocab):
             # Checked here as well as in the patch: an older patch revision accepted it, and vLLM then
             # shared the target's (equal) head and died at the first proposal.

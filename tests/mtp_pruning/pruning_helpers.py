@@ -73,7 +73,38 @@ def write_malformed_keepsets(folder: Path, vocab_size: int) -> dict[str, tuple[P
         path = folder / f"{name}.safetensors"
         path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(16))
         cases[name] = (path, "has an unreadable .safetensors header")
+    # Files that once ended in a traceback, and one that claims gigabytes (a sparse file: no disk).
+    list_dtype = b'{"ids": {"dtype": ["I64"], "shape": [2], "data_offsets": [0, 16]}}'
+    for name, data, message in (
+        ("npy_empty_descr", _npy(b"{'descr': '', 'fortran_order': False, 'shape': (3,), }", bytes(24)), "(dtype '')"),
+        ("npy_short", b"\x93NUMPY\x02\x00\x10\x00", "is truncated: 10 bytes, shorter than a .npy header"),
+        ("npy_recursive", _npy(b"{'descr': '<i8', 'shape': " + b"(" * 20000 + b")" * 20000 + b"}", b""), "unreadable"),
+        ("npy_huge", _npy(b"{'descr': '<i8', 'shape': (268435456,), }", b""), "holds 268435456"),
+        ("safetensors_recursive", _safetensors(b"[" * 30000 + b"]" * 30000), "unreadable .safetensors header"),
+        ("safetensors_list_dtype", _safetensors(list_dtype), "has dtype ['I64']"),
+    ):
+        suffix = ".npy" if name.startswith("npy") else ".safetensors"
+        path = folder / f"{name}{suffix}"
+        path.write_bytes(data)
+        cases[name] = (path, message)
+    with open(folder / "npy_huge.npy", "r+b") as f:
+        f.truncate(128 + 268435456 * 8)  # 2 GiB of holes: the header's data is all there
+    save("sparse_pt", torch.tensor([1, 5, 9]).to_sparse(), "holds a torch.sparse_coo tensor", ".pt")
+    save("expanded_pt", torch.zeros(1, dtype=torch.int64).expand(10**8), "holds 100000000 ids", ".pt")
+    save("uint64_huge", np.array([1, 2**64 - 1], dtype=np.uint64), f"id {2**64 - 1} at index 1 is out of range")
     return cases
+
+
+def _npy(header: bytes, body: bytes) -> bytes:
+    """A .npy (format 1.0) with this header text, padded as numpy pads it, then BODY."""
+    header += b" " * (-(10 + len(header) + 1) % 64) + b"\n"
+    if len(header) >= 1 << 16:
+        return b"\x93NUMPY\x02\x00" + struct.pack("<I", len(header)) + header + body
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + body
+
+
+def _safetensors(header: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header + bytes(16)
 
 
 MALFORMED_CASES = [
@@ -92,6 +123,15 @@ MALFORMED_CASES = [
     "safetensors_list_header",
     "safetensors_no_offsets",
     "safetensors_bad_shape",
+    "npy_empty_descr",
+    "npy_short",
+    "npy_recursive",
+    "npy_huge",
+    "safetensors_recursive",
+    "safetensors_list_dtype",
+    "sparse_pt",
+    "expanded_pt",
+    "uint64_huge",
 ]
 
 
@@ -119,3 +159,18 @@ def qwen4_exp_dir(folder: Path, tokenizer_dir: Path, tied: bool, vocab_size: int
         tensors["lm_head.weight"] = torch.randn(vocab_size, hidden_size, generator=generator).to(torch.bfloat16)
     save_file(tensors, str(folder / "model.safetensors"))
     return folder, tensors
+
+
+def with_zero_tail_head_row(model: Path, dest: Path) -> Path:
+    """A copy of the checkpoint MODEL whose lm_head's last row is zero (as a padded or unused id's
+    often is): a keep-set of every id but that one gives a pruned head that, padded, equals the
+    target's head. The embedding keeps its row."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    tensors["lm_head.weight"][-1].zero_()
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest

@@ -52,6 +52,31 @@ def test_keepset_formats_load_to_the_same_int64_ids(draft_vocab, tmp_path):
         assert loaded.dtype == torch.int64 and loaded.tolist() == ids, name
 
 
+def test_a_uint64_keepset_loads_like_int64(draft_vocab, tmp_path):
+    from safetensors.torch import save_file
+
+    ids = [0, 3, 17, 4095]
+    np.save(tmp_path / "keep-u64.npy", np.array(ids, dtype=np.uint64))
+    save_file({"keep_ids": torch.tensor(ids, dtype=torch.uint64)}, str(tmp_path / "keep-u64.safetensors"))
+    torch.save(torch.tensor(ids, dtype=torch.uint64), tmp_path / "keep-u64.pt")
+    for name in ("keep-u64.npy", "keep-u64.safetensors", "keep-u64.pt"):
+        loaded = draft_vocab.load_keep_ids(str(tmp_path / name), VOCAB)
+        assert loaded.dtype == torch.int64 and loaded.tolist() == ids, name
+
+
+def test_a_keepset_is_read_header_first_and_only_as_far_as_its_ids(draft_vocab, tmp_path):
+    # A valid header followed by more bytes than it names: only the named ones are read.
+    path = tmp_path / "keep.npy"
+    np.save(path, np.array([2, 7], dtype=np.int64))
+    with open(path, "ab") as f:
+        f.write(b"\xff" * 4096)
+    assert draft_vocab.load_keep_ids(str(path), VOCAB).tolist() == [2, 7]
+    # A header that names more ids than the vocabulary has is refused before any data is read.
+    np.save(path, np.arange(VOCAB + 1, dtype=np.int64))
+    with pytest.raises(draft_vocab.DraftVocabError, match=f"holds {VOCAB + 1} ids .* more than the {VOCAB}"):
+        draft_vocab.load_keep_ids(str(path), VOCAB)
+
+
 def test_unknown_suffix_is_refused(draft_vocab, tmp_path):
     path = tmp_path / "keep.json"
     path.write_text("[1, 2, 3]")

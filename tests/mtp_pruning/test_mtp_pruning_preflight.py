@@ -21,6 +21,20 @@ PACKAGE = Path(__file__).resolve().parent.parent.parent / "magpie"
 VOCAB = 4096
 
 
+def preflight_command(model, keep) -> list[str]:
+    return [
+        sys.executable,
+        str(PACKAGE),
+        "preflight",
+        "--model",
+        str(model),
+        "--draft-vocab-path",
+        str(keep),
+        "--jit-check",
+        "0",
+    ]
+
+
 def preflight(overlay, model, keep) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
@@ -59,6 +73,40 @@ def test_preflight_refuses_what_the_server_refuses_naming_file_and_rule(
     assert f"serve.sh: refusing to start: DRAFT_VOCAB_PATH: draft_vocab_path {path}: " in proc.stderr
     assert message in proc.stderr
     assert not (path.parent / "CODE-RAN").exists()
+
+
+@pytest.mark.parametrize(
+    "case", ["npy_empty_descr", "npy_short", "npy_recursive", "safetensors_list_dtype", "sparse_pt", "uint64_huge"]
+)
+def test_preflight_refuses_once_crashing_files_with_one_line_naming_file_and_rule(
+    pruning_overlay, tiny_mtp_model, keepsets, case
+):
+    path, message = keepsets[case]
+    proc = preflight(pruning_overlay, tiny_mtp_model, path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"serve.sh: refusing to start: DRAFT_VOCAB_PATH: draft_vocab_path {path}: " in proc.stderr
+    assert message in proc.stderr
+
+
+def test_preflight_refuses_a_keepset_claiming_gigabytes_without_reading_it(pruning_overlay, tiny_mtp_model, keepsets):
+    path, message = keepsets["npy_huge"]
+    assert path.stat().st_size > 2 << 30  # holes: what a reader that reads it all would load
+    measured = [sys.executable, "-c", RSS_OF_CHILD, *preflight_command(tiny_mtp_model, path)]
+    proc = subprocess.run(measured, env=vllm_env(pruning_overlay), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert message in proc.stderr and "more than the 4096 a keep-set can hold" in proc.stderr
+    peak_kib = int(proc.stdout.rsplit("MAXRSS ", 1)[1])
+    assert peak_kib < 1 << 20, f"preflight peaked at {peak_kib} KiB"  # torch alone is ~0.4 GiB; the file 2 GiB
+
+
+# The peak resident memory of the command in argv (ru_maxrss of the waited-for children, KiB).
+RSS_OF_CHILD = """
+import resource, subprocess, sys
+status = subprocess.run(sys.argv[1:]).returncode
+print("MAXRSS", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+sys.exit(status)
+"""
 
 
 def test_preflight_accepts_a_keepset_one_short_of_every_id(pruning_overlay, tiny_mtp_model, tmp_path):

@@ -6,7 +6,8 @@ tree first over the test venv. Per scenario (JSON: name, model, keep, quantizati
 1. `EngineArgs(...).create_engine_config()`, as `vllm serve` builds it (Model Runner V2 forced:
    draft_lm_head_quantization is V2-only, and the CPU platform would pick V1);
 2. with "load": `load_eagle_model` (the V2 MTP speculator's loader: it builds the real draft
-   class from the checkpoint with vLLM's loader, then decides lm_head sharing and quantization).
+   class from the checkpoint with vLLM's loader, then decides lm_head sharing and quantization);
+   with "v1_share" also the V1 proposer's `_maybe_share_lm_head` on that draft.
    Its target is the checkpoint's embedding and lm_head as vLLM layers: the only parts of the
    target that `load_eagle_model` reads (0.33's Qwen3.5 target needs 0.33's compiled CPU ops,
    which are not here). Then `compute_logits` and `get_top_tokens` on fixed hidden states.
@@ -27,6 +28,10 @@ import tempfile
 import torch
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+# On a CPU with AMX tiles 0.33 packs small bf16 linear weights with its own compiled op
+# (torch.ops._C.convert_weight_packed), which the 0.29 build's _C here lacks: take the plain
+# torch GEMM path 0.33 takes on any other CPU.
+torch.cpu._is_amx_tile_supported = lambda: False
 
 
 def build_config(scenario: dict):
@@ -133,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
                     logits=logits.float(),
                     top=top,
                 )
+                if scenario.get("v1_share"):
+                    # The V1 proposer's own sharing decision, on the draft as V2 loaded it.
+                    from types import SimpleNamespace
+
+                    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+                    proposer = SimpleNamespace(model=draft)
+                    SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)
+                    record["v1_shares_target_head"] = draft.lm_head is target.lm_head
         except Exception as e:  # the outcome under test: saved, not raised
             record["error"] = f"{type(e).__name__}: {e}"
     torch.save(results, args.out)

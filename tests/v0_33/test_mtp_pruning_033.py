@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 TESTS = Path(__file__).resolve().parent.parent
 
 from magpie.demo.overlay import vllm_env  # noqa: E402
-from tests.mtp_pruning.pruning_helpers import qwen4_exp_dir  # noqa: E402
+from tests.mtp_pruning.pruning_helpers import qwen4_exp_dir, with_zero_tail_head_row  # noqa: E402
 
 PROBE = Path(__file__).resolve().parent / "probe_033.py"
 VOCAB = 4096
@@ -49,6 +49,10 @@ def runs(tmp_path_factory, tiny_random_model, tokenizer_dir, overlays_033):
     np.save(folder / "keep.npy", keep)
     model, keep_path = str(tiny_random_model), str(folder / "keep.npy")
     qwen4_exp, _ = qwen4_exp_dir(folder / "qwen4-exp", Path(tokenizer_dir), tied=False)
+    # Every id but the last, whose lm_head row is zero: the pruned head, padded, equals the target's.
+    zero_tail = with_zero_tail_head_row(Path(tiny_random_model), folder / "zero-tail")
+    np.save(folder / "all-but-last.npy", np.arange(VOCAB - 1, dtype=np.int64))
+    all_but_last = str(folder / "all-but-last.npy")
     series = run_probe(
         overlays_033["series"],
         [
@@ -58,6 +62,7 @@ def runs(tmp_path_factory, tiny_random_model, tokenizer_dir, overlays_033):
             {"name": "fp8", "model": model, "keep": keep_path, "quantization": "fp8", "load": True},
             {"name": "stock_fp8", "model": model, "quantization": "fp8", "load": True},
             {"name": "qwen4_exp", "model": str(qwen4_exp), "keep": keep_path, "quantization": "fp8"},
+            {"name": "zero_tail", "model": str(zero_tail), "keep": all_but_last, "load": True, "v1_share": True},
         ],
         folder / "series.pt",
     )
@@ -157,3 +162,11 @@ def test_top_tokens_take_the_multi_module_speculators_step_index(runs):
     assert torch.equal(runs["series"]["bf16"]["top_step_1"], runs["series"]["bf16"]["top"])
     assert torch.equal(runs["series"]["fp8"]["top_step_1"], runs["series"]["fp8"]["top"])
     assert "unexpected keyword argument 'spec_step_idx'" in runs["0001"]["bf16"]["top_step_1"]
+
+
+def test_a_pruned_head_equal_to_the_targets_is_never_shared_by_v1_or_v2(runs):
+    run = runs["series"]["zero_tail"]
+    assert "error" not in run, run.get("error")  # the draft's head was not replaced: logits ran
+    assert run["head_rows"] == VOCAB - 1 and not run["shares_target_head"]
+    assert run["v1_shares_target_head"] is False
+    assert "Keeping it; not sharing the target model lm_head." in runs["series"]["log"]

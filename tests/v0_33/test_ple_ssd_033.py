@@ -327,9 +327,18 @@ def cmd_config(args) -> dict:
         "mmap_torchao": ({"offload_storage": "mmap"}, "torchao", "auto"),
         "mmap_dummy": ({"offload_storage": "mmap"}, None, "dummy"),
         "bad_value": ({"offload_storage": "ssd"}, None, "auto"),
+        # The V1 model runner: chosen by the variable, or by vLLM itself (no Triton on this CPU).
+        "mmap_v1_by_env": ({"offload_storage": "mmap"}, None, "auto"),
+        "mmap_v1_by_vllm": ({"offload_storage": "mmap"}, None, "auto"),
     }
+    runner_env = {"mmap_v1_by_env": "0", "mmap_v1_by_vllm": None}
     out = {}
     for name, (engram, strategy, load_format) in cases.items():
+        saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        if name in runner_env:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+            if runner_env[name] is not None:
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = runner_env[name]
         try:
             config = make_config(checkpoint, engram, strategy, load_format)
             out[name] = {
@@ -339,6 +348,9 @@ def cmd_config(args) -> dict:
             }
         except Exception as e:  # the outcome under test: recorded, not raised
             out[name] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            if saved is not None:
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
     return out
 
 
@@ -403,7 +415,13 @@ def overlay(dest: Path, patched: bool) -> Path:
 
 def child(tree: Path, *args: str) -> None:
     # The 0.33 tree first, then the checkout (this file imports tests.v0_33 when run as a child).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]), VLLM_LOGGING_LEVEL="WARNING")
+    # Model Runner V2, as offload_storage='mmap' needs (this CPU has no Triton: vLLM would pick V1).
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]),
+        VLLM_LOGGING_LEVEL="WARNING",
+        VLLM_USE_V2_MODEL_RUNNER="1",
+    )
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), *args], env=env, capture_output=True, text=True, cwd=tree
     )
@@ -532,6 +550,11 @@ def test_config_activation_refusals_and_the_default_hash(trees, checkpoints, tmp
     }
     for case, words in expect.items():
         assert words in patched[case].get("error", ""), (case, patched[case])
+    runner_cases = {"mmap_v1_by_env": "VLLM_USE_V2_MODEL_RUNNER=0 selects it", "mmap_v1_by_vllm": "vLLM picked it"}
+    for case, why in runner_cases.items():
+        error = patched[case].get("error", "")
+        assert "Engram offload_storage='mmap' needs Model Runner V2" in error, (case, patched[case])
+        assert why in error and "Set VLLM_USE_V2_MODEL_RUNNER=1" in error, error
     # log_check sees the request in the line 0.33 prints of the resolved configuration (the patched
     # config's own str()): requested, not confirmed until a table line of the patch follows.
     from magpie.measure import log_check

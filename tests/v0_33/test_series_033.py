@@ -67,7 +67,7 @@ def test_series_applies_and_reverts_byte_for_byte_on_the_sdist(tmp_path):
     assert digest(tree) == pristine
     proc = run_tool("apply", "mtp_pruning", "--target", str(tree))
     assert proc.returncode == 0, proc.stderr
-    assert "5 file(s) changed" in proc.stdout
+    assert "6 file(s) changed" in proc.stdout
     assert states("--target", str(tree)) == {**dict.fromkeys(MTP, "applied"), **dict.fromkeys(PLE, "not applied")}
     changed = [rel for rel, sha in digest(tree).items() if pristine.get(rel) != sha]
     assert sorted(changed) == [
@@ -75,6 +75,7 @@ def test_series_applies_and_reverts_byte_for_byte_on_the_sdist(tmp_path):
         "vllm/model_executor/models/qwen3_5_mtp.py",
         "vllm/models/qwen4_exp/nvidia/mtp.py",
         "vllm/v1/spec_decode/draft_vocab.py",
+        "vllm/v1/spec_decode/llm_base_proposer.py",
         "vllm/v1/worker/gpu/spec_decode/eagle/utils.py",
     ]
     for rel in changed:
