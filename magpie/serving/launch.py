@@ -287,6 +287,24 @@ def ple_for_release(config: dict, vllm_version: str | None) -> dict:
     return config
 
 
+def engram_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
+    """The Engram mmap storage (0.30+) is staged by the V2 model runner only (the patch refuses
+    the V1 runner when vLLM builds its config): ask for V2 unless the user chose a runner, and
+    refuse V1 here, before vLLM starts. Returns the explanation line (none without mmap)."""
+    if (config.get("engram-config") or {}).get("offload_storage") != "mmap":
+        return []
+    chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if chosen is None or chosen == "":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        return ["VLLM_USE_V2_MODEL_RUNNER=1 (PLE=1 on vLLM 0.30+: the table is staged by the V2 model runner)"]
+    if chosen.strip().lower() in ("0", "false"):
+        raise Refused(
+            f"VLLM_USE_V2_MODEL_RUNNER={chosen} with PLE=1: the Engram mmap storage runs on the V2 model runner "
+            "only; unset it or set VLLM_USE_V2_MODEL_RUNNER=1"
+        )
+    return [f"VLLM_USE_V2_MODEL_RUNNER={chosen} (yours, kept)"]
+
+
 def required_patches(config: dict) -> list[tuple[str, str]]:
     needed = []
     if (config.get("hf-overrides") or {}).get("ple_mmap"):
@@ -605,6 +623,7 @@ def plan(args: argparse.Namespace) -> int:
         profile_label, os.environ.get("GB10_ENV", "auto"), os.environ.get("JIT_JOBS", "4")
     )
     gb10_env = dict(env)
+    env_lines += engram_runner_environment(config, env)
     pythonpath = os.environ.get("PYTHONPATH", "")
     if pythonpath:  # relative entries would point elsewhere from the server's working directory
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in pythonpath.split(os.pathsep))

@@ -619,3 +619,26 @@ def test_log_check_reads_the_launch_from_the_run_manifest_not_the_header_text(tm
     Path(manifest.path_for(alone)).write_text('{"schema": "other/1"}')
     broken = subprocess.run([*tool("log-check"), str(alone)], capture_output=True, text=True, timeout=120)
     assert broken.returncode == 2 and manifest.path_for(alone) in broken.stderr
+
+
+def test_ple_on_vllm_033_asks_for_the_v2_runner_and_refuses_v1_before_vllm_starts(monkeypatch):
+    """0.30+: the Engram mmap storage is staged by the V2 model runner only (the 0.33 patch refuses
+    V1 at config time). The plan sets VLLM_USE_V2_MODEL_RUNNER=1 when unset, keeps the user's 1,
+    refuses a 0 with the fix; nothing changes without the mmap storage or on 0.29's spelling."""
+    from magpie.serving import launch
+
+    profile = {"hf-overrides": {"ple_mmap": True}, "max-model-len": 4096}
+    on_033 = launch.ple_for_release(profile, "0.33.0")
+    assert on_033["engram-config"] == {"offload_storage": "mmap"} and "hf-overrides" not in on_033
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    env: dict[str, str] = {}
+    lines = launch.engram_runner_environment(on_033, env)
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "1"} and "V2 model runner" in lines[0]
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    env = {}
+    assert launch.engram_runner_environment(on_033, env) == ["VLLM_USE_V2_MODEL_RUNNER=1 (yours, kept)"] and env == {}
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(launch.Refused, match="unset it or set VLLM_USE_V2_MODEL_RUNNER=1"):
+        launch.engram_runner_environment(on_033, {})
+    on_029 = launch.ple_for_release(profile, "0.29.0")
+    assert launch.engram_runner_environment(on_029, {}) == []
