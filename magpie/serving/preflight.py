@@ -62,9 +62,15 @@ def model_vocab_size(model: str) -> int | None:
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         return None
-    with open(config_path) as f:
-        config = json.load(f)
-    for section in (config.get("text_config") or {}, config):
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Refused(f"{config_path}: not readable as JSON ({e}); fix or replace the model's config.json") from None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or (text is not None and not isinstance(text, dict)):
+        raise Refused(f"{config_path}: expected a JSON object (with an object text_config, if any)")
+    for section in (text or {}, config):
         if isinstance(section.get("vocab_size"), int):
             return section["vocab_size"]
     return None

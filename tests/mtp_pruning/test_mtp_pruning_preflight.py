@@ -164,3 +164,21 @@ def test_build_keepset_union_refuses_what_the_server_refuses_for_the_same_reason
     assert status == 1 and not out.exists()
     assert err.strip() == f"error: --union: {server.value}" and message in err
     assert not (path.parent / "CODE-RAN").exists()
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [("{not json", "not readable as JSON"), ("[1, 2]", "expected a JSON object"), ('{"text_config": 3}', "object")],
+)
+def test_preflight_alone_refuses_a_malformed_config_json_in_one_line(pruning_overlay, tmp_path, text, needle):
+    """Issue 21 item 11, preflight run on its own (serve.sh's launch plan refuses first): a broken
+    config.json is one line naming the file, exit 1, no traceback."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(text)
+    keep = tmp_path / "keep.npy"
+    keep.write_bytes(b"")
+    proc = preflight(pruning_overlay, model, keep)
+    assert proc.returncode == 1, proc.stderr
+    assert f"{model / 'config.json'}: " in proc.stderr and needle in proc.stderr
+    assert "Traceback" not in proc.stderr
