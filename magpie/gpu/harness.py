@@ -11,8 +11,9 @@ machine's image lacks (pinned versions, hashes checked by pip), tiny models, and
 kernel libraries, each xz'd in a folder of its own.
 
 Commands
-  prepare   (this machine) build .gpu-harness/{c,moe,site}: what the calls carry (~5 min on
-            2 busy cores; --suite mtp|ple picks the models the site folder carries).
+  prepare   (this machine, with the test environment's Python: .venv/bin/python magpie ...)
+            build .gpu-harness/{c,moe,site}: what the calls carry (~5 min on 2 busy cores;
+            --suite mtp|ple picks the models the site folder carries).
   stage     (GPU machine) move carried folders to /tmp/gpuh, check their sha256s, unpack.
   models    (GPU machine) write a suite's large checkpoints there (they never travel).
   run       (GPU machine) run a suite's configurations, each one process with a time budget;
@@ -43,6 +44,12 @@ takes, so the site comes in two calls):
          && python3 magpie gpu-harness run --suite ple --budget 480
   3. carry nothing: python3 magpie gpu-harness run --suite ple --skip-done --budget 540
      (--skip-done skips failed ones too: rerun those with --only NAME,...)
+scale and ple-scale suites (issue 18; docs/gpu-harness.md "At scale"): the mtp site's vLLM tree
+serves both. 1. carry [".gpu-harness/site"]: stage it, then `models --suite scale` (17 GB, ~50 s);
+2. carry [".gpu-harness/c"]: stage it, `run --suite scale --budget 545` (~7 min); 3. carry
+[".gpu-harness/moe", ".gpu-harness/ple/site/manifest.json", ".gpu-harness/ple/site/models.tar.xz"]:
+stage both, `models --suite ple-scale` (a 17.4 GB table, ~1 min; needs c staged), then
+`run --suite ple-scale --budget 520` (~5.5 min).
 Staging one suite's site replaces the other's in /tmp/gpuh (site/, models/): run them in turn.
 Time: the first vLLM process on a fresh machine takes ~2.5 min (148 s seen for the tiny
 Qwen3.5 at FULL_DECODE_ONLY: Triton JIT and autotuning of the linear-attention kernels; the
