@@ -32,7 +32,6 @@ PROBE = Path(__file__).resolve().parent / "cpu_rejection_probe.py"
 V1_SAMPLING_PATH = [
     "v1/sample/rejection_sampler.py",
     "v1/sample/sampler.py",
-    "v1/spec_decode/llm_base_proposer.py",
     "v1/spec_decode/eagle.py",
     "v1/worker/cpu_model_runner.py",
     "v1/worker/gpu_model_runner.py",
@@ -71,6 +70,28 @@ def test_patch_leaves_the_v1_sampling_path_stock(pruning_overlay):
         if not filecmp.cmp(pruning_overlay / "vllm" / rel, installed_vllm_dir() / rel, shallow=False)
     ]
     assert changed == []
+
+
+def test_the_proposers_only_change_is_the_head_sharing_decision(pruning_overlay):
+    """The V1 proposer is patched in one place (issue 21: a pruned draft never shares the target's
+    head): every line the patch adds lies inside _maybe_share_lm_head; nothing is removed."""
+    import ast
+    import difflib
+
+    rel = "v1/spec_decode/llm_base_proposer.py"
+    stock = (installed_vllm_dir() / rel).read_text().splitlines()
+    patched_text = (pruning_overlay / "vllm" / rel).read_text()
+    patched = patched_text.splitlines()
+    opcodes = difflib.SequenceMatcher(a=stock, b=patched, autojunk=False).get_opcodes()
+    assert [tag for tag, *_ in opcodes if tag not in ("equal", "insert")] == []
+    added = [line for tag, _, _, j1, j2 in opcodes if tag == "insert" for line in range(j1 + 1, j2 + 1)]
+    assert added
+    spans = [
+        (node.lineno, node.end_lineno)
+        for node in ast.walk(ast.parse(patched_text))
+        if isinstance(node, ast.FunctionDef) and node.name == "_maybe_share_lm_head"
+    ]
+    assert len(spans) == 1 and all(spans[0][0] <= line <= spans[0][1] for line in added)
 
 
 def test_cpu_rejection_kernels_keep_the_target_distribution_for_keepset_drafts(figures):
