@@ -36,17 +36,7 @@ def preflight_command(model, keep) -> list[str]:
 
 
 def preflight(overlay, model, keep) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(PACKAGE),
-        "preflight",
-        "--model",
-        str(model),
-        "--draft-vocab-path",
-        str(keep),
-        "--jit-check",
-        "0",
-    ]
+    cmd = preflight_command(model, keep)
     return subprocess.run(cmd, env=vllm_env(overlay), capture_output=True, text=True, timeout=120)
 
 
