@@ -93,6 +93,23 @@ def driver(hosts: TwoHosts, code: str, env=None, timeout: float = 180) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def wait_until_joined(hosts, env: dict, procs: list, log: Path, role: str, port: int) -> None:
+    """Until `ray status` on the head counts the head (role "head") or both nodes; fails the test
+    with the node's log when one of `procs` died or 240 s passed."""
+    deadline = time.monotonic() + 240
+    want = 1 if role == "head" else 2
+    while time.monotonic() < deadline:
+        status = subprocess.run(
+            hosts.cmd("head", RAY, "status", "--address", f"{hosts.ip['head']}:{port}"),
+            capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        if status.returncode == 0 and status.stdout.split("Pending:")[0].count(" node_") >= want:
+            return
+        assert all(p.poll() is None for p in procs), log.read_text()[-3000:]
+        time.sleep(2)
+    pytest.fail(f"the Ray {role} did not join in time:\n{log.read_text()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def keep_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("keep-sets")
@@ -127,19 +144,7 @@ def cluster(tmp_path_factory, keep_dir, patched_vllm):
                         start_new_session=True,
                     )
                 )
-            deadline = time.monotonic() + 240
-            want = 1 if role == "head" else 2
-            while time.monotonic() < deadline:
-                status = subprocess.run(
-                    hosts.cmd("head", RAY, "status", "--address", f"{hosts.ip['head']}:{PORT}"),
-                    capture_output=True, text=True, env=env,
-                )  # fmt: skip
-                if status.returncode == 0 and status.stdout.split("Pending:")[0].count(" node_") >= want:
-                    break
-                assert all(p.poll() is None for p in procs), (logs / f"{role}.log").read_text()[-3000:]
-                time.sleep(2)
-            else:
-                pytest.fail(f"the Ray {role} did not join in time:\n{(logs / f'{role}.log').read_text()[-3000:]}")
+            wait_until_joined(hosts, env, procs, logs / f"{role}.log", role, PORT)
         hosts.env = env
         hosts.logs = logs
         yield hosts

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import numpy
@@ -25,7 +24,7 @@ from safetensors.numpy import save_file
 
 from magpie.serving import cluster_check
 from tests.serving.helpers import PYTHON, REPO, tool, vllm_env
-from tests.serving.test_cluster import RAY, TwoHosts, stop
+from tests.serving.test_cluster import TwoHosts, stop, wait_until_joined
 
 CLUSTER = tool("cluster")[1:]
 PORT = 6381
@@ -93,19 +92,7 @@ def hosts(tmp_path_factory):
                 procs.append(
                     subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 )
-            deadline = time.monotonic() + 240
-            want = 1 if role == "head" else 2
-            while time.monotonic() < deadline:
-                status = subprocess.run(
-                    hosts.cmd("head", RAY, "status", "--address", f"{hosts.ip['head']}:{PORT}"),
-                    capture_output=True, text=True, env=env,
-                )  # fmt: skip
-                if status.returncode == 0 and status.stdout.split("Pending:")[0].count(" node_") >= want:
-                    break
-                assert all(p.poll() is None for p in procs), (logs / f"{role}.log").read_text()[-3000:]
-                time.sleep(2)
-            else:
-                pytest.fail(f"the Ray {role} did not join in time:\n{(logs / f'{role}.log').read_text()[-3000:]}")
+            wait_until_joined(hosts, env, procs, logs / f"{role}.log", role, PORT)
         hosts.env = env
         hosts.model, hosts.keep_set, hosts.worker = model, keep_dir / "keep.npy", worker
         hosts.cache = root / "manifest-cache"
