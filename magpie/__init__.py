@@ -21,6 +21,7 @@ alone lists the tools. Subpackages, by what they are for:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -29,36 +30,10 @@ __all__ = ["ROOT", "TOOLS", "tool_command", "tool_env"]
 ROOT = Path(__file__).resolve().parent.parent
 """The folder that holds the `magpie` package (a checkout's root)."""
 
-# tool name -> module; the console script of each is `magpie-<name>` (pyproject.toml).
-TOOLS = {
-    "patches": "magpie.patches",
-    "launch": "magpie.serving.launch",
-    "preflight": "magpie.serving.preflight",
-    "memguard": "magpie.serving.memguard",
-    "watchdog": "magpie.serving.watchdog",
-    "ple-warmup": "magpie.serving.ple_warmup",
-    "cluster": "magpie.serving.cluster",
-    "install-service": "magpie.serving.service",
-    "bench-decode": "magpie.measure.bench_decode",
-    "gsm8k": "magpie.measure.gsm8k_eval",
-    "sweep": "magpie.measure.sweep",
-    "profile-capture": "magpie.measure.profile_capture",
-    "trace-split": "magpie.measure.trace_split",
-    "log-check": "magpie.measure.log_check",
-    "report": "magpie.measure.report",
-    "count-tokens": "magpie.mtp_pruning.count_tokens",
-    "build-keepset": "magpie.mtp_pruning.build_keepset",
-    "fit-keepset": "magpie.mtp_pruning.fit_keepset",
-    "bench-draft-head": "magpie.mtp_pruning.bench_draft_head",
-    "bench-pruned": "magpie.mtp_pruning.bench_pruned_vs_unpruned",
-    "bench-staging": "magpie.ple_ssd.bench_staging",
-    "gpu-harness": "magpie.gpu.harness",
-    "pin-wheels": "magpie.nix.pin_wheels",
-    "flashinfer-aot": "magpie.nix.flashinfer_aot",
-    "wheel-libs": "magpie.nix.wheel_libs",
-    "pip-target-env": "magpie.nix.pip_target_env",
-    "demo-overlay": "magpie.demo.overlay",
-    "demo-model": "magpie.demo.tiny_models",
+# tool name -> module, from magpie/tools.json (the one list; the console script of each is
+# `magpie-<name>`, the flake's apps name their tool there too).
+TOOLS: dict[str, str] = {
+    name: row["module"] for name, row in json.loads((Path(__file__).with_name("tools.json")).read_text())["tools"].items()
 }
 
 

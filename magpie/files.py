@@ -49,7 +49,36 @@ __all__ = [
     "atomic_write_text",
     "bench_file",
     "check_output",
+    "schema",
+    "schema_of",
 ]
+
+# --------------------------------------------------------------------------------------------
+# The `schema` field of every JSON file a magpie tool writes: "magpie/<tool>/<version>"
+
+SCHEMA_PREFIX = "magpie/"
+# Prefixes of files written before the one prefix (still read: committed measurements use them),
+# each with what its names became ("gpu-harness/results/1" is "magpie/gpu-harness-results/1").
+LEGACY_SCHEMA_PREFIXES = {"flash-next/": "", "mtp_pruning/": "", "gpu-harness/": "gpu-harness-"}
+
+
+def schema(name: str, version: int) -> str:
+    """The schema string a tool writes: schema("bench-decode", 3) -> "magpie/bench-decode/3"."""
+    return f"{SCHEMA_PREFIX}{name}/{version}"
+
+
+def schema_of(value: object) -> tuple[str, int] | None:
+    """(name, version) of a schema string, read under the one prefix or a legacy one
+    ("flash-next/bench-decode/2" -> ("bench-decode", 2)); None for anything else."""
+    if not isinstance(value, str):
+        return None
+    for prefix, renamed in ((SCHEMA_PREFIX, ""), *LEGACY_SCHEMA_PREFIXES.items()):
+        if value.startswith(prefix):
+            name, _, version = value[len(prefix) :].rpartition("/")
+            if name and "/" not in name and version.isdigit():
+                return renamed + name, int(version)
+    return None
+
 
 # --------------------------------------------------------------------------------------------
 # A run folder (run_suite.sh's OUTDIR): its files, by name
