@@ -1,5 +1,5 @@
 {
-  description = "vLLM 0.29.0 (and 0.33.0 beside it) with magpie-vllm-plugins' patch series (PLE on SSD, MTP draft-head pruning), its apps and tools";
+  description = "vLLM with magpie-vllm-plugins' patch series (PLE on SSD, MTP draft-head pruning), one build per release in magpie/releases.json, its apps and tools";
 
   inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-unstable";
 

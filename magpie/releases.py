@@ -23,19 +23,26 @@ __all__ = [
     "PLE_SWITCHES",
     "ReleaseError",
     "default",
+    "gpu_harness_release",
     "load",
     "nix_suffix",
+    "other_series_releases",
+    "pins_file",
+    "pins_folder",
     "ple_switch",
     "release_of",
+    "requirements_file",
     "row",
     "sdist",
     "series_releases",
     "sdists_for_tests",
+    "table_path",
 ]
 
 TABLE = Path(__file__).resolve().with_name("releases.json")
 PLE_SWITCHES = ("hf-overrides", "engram-config")
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+_MOMENT = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
 
 class ReleaseError(ValueError):
@@ -64,12 +71,25 @@ def _load(path: str) -> dict[str, Any]:
         sd = entry.get("sdist")
         if not isinstance(sd, dict) or not {"filename", "sha256", "path"} <= set(sd):
             raise ReleaseError(f"{where}.sdist needs filename, sha256 and path (as the package index lists them)")
-        if entry.get("series") and not isinstance(entry.get("pins"), dict):
-            raise ReleaseError(f"{where}: a release with a series needs `pins` (extra_requirements, uploaded_prior_to)")
+        if entry.get("series"):
+            pins = entry.get("pins")
+            if not isinstance(pins, dict) or not isinstance(pins.get("extra_requirements"), list):
+                raise ReleaseError(f"{where}: a release with a series needs `pins.extra_requirements` (a list)")
+            if not _MOMENT.match(str(pins.get("uploaded_prior_to"))):
+                raise ReleaseError(
+                    f"{where}.pins.uploaded_prior_to must be a UTC moment YYYY-MM-DDTHH:MM:SSZ after the release's date"
+                )
+        elif entry.get("gpu_harness"):
+            raise ReleaseError(f"{where}: `gpu_harness` needs a release with a series (the harness applies it)")
         if not entry.get("series") and not entry.get("role"):
             raise ReleaseError(f"{where}: a release without a series says why it is pinned (`role`)")
     if releases.get(data.get("default"), {}).get("series") is not True:
         raise ReleaseError(f"{path}: `default` must name a release with a series")
+    harness = [r for r, e in releases.items() if e.get("gpu_harness")]
+    if len(harness) != 1:
+        raise ReleaseError(
+            f"{path}: exactly one release has `gpu_harness: true` (the GPU harness's default), not {len(harness)}"
+        )
     return data
 
 
@@ -90,6 +110,17 @@ def _key(release: str) -> tuple[int, ...]:
 def series_releases() -> list[str]:
     """The releases with a patch series, oldest first."""
     return sorted((r for r, e in load()["releases"].items() if e.get("series")), key=_key)
+
+
+def other_series_releases() -> list[str]:
+    """The releases with a series other than the default, oldest first: the flake's suffixed
+    outputs (nix/lib.nix otherVllmReleases reads the same rows)."""
+    return [r for r in series_releases() if r != default()]
+
+
+def gpu_harness_release() -> str:
+    """The release the GPU harness carries unless told otherwise (the row with `gpu_harness`)."""
+    return next(r for r, e in load()["releases"].items() if e.get("gpu_harness"))
 
 
 def sdists_for_tests() -> list[str]:
@@ -136,3 +167,21 @@ def nix_suffix(release: str) -> str:
         return ""
     major, minor, _ = release.split(".")
     return f"_{major}_{minor}"
+
+
+def pins_folder(release: str) -> str:
+    """The folder of a release's pins under nix/pins and requirements: "" for the default (its
+    files sit at the top), "vllm-<release>" for the others (nix/lib.nix pinsFile: the same)."""
+    return "" if release == default() else f"vllm-{release}"
+
+
+def pins_file(release: str, system: str) -> str:
+    """nix/pins/<system>.json (the default release) or nix/pins/vllm-<release>/<system>.json,
+    relative to the checkout's root."""
+    return "/".join(filter(None, ["nix", "pins", pins_folder(release), f"{system}.json"]))
+
+
+def requirements_file(release: str, system: str) -> str:
+    """requirements/<system>.txt (the default release) or requirements/vllm-<release>/<system>.txt,
+    relative to the checkout's root."""
+    return "/".join(filter(None, ["requirements", pins_folder(release), f"{system}.txt"]))

@@ -29,22 +29,15 @@ let
     ;
   src = source.checks;
 
-  # The sdist of each release a series targets (the full source tree): sha256 and immutable
-  # path, spelled once in tests/env/sdists.json (tests/env/fetch_sdist.py reads it too).
-  sdistPin = _version: sdist: {
-    name = "vllm-sdist";
-    inherit (sdist) filename path;
-    hash = "sha256:${sdist.sha256}";
-  };
-  sdistsFile = builtins.fromJSON (builtins.readFile ../tests/env/sdists.json);
-  vllmSdists = builtins.mapAttrs sdistPin sdistsFile.sdists;
-  # The releases that have a series, with their sdist (the ruff check reads their pyproject.toml).
-  hasSeries = release: builtins.pathExists (../patches + "/vllm-${release}/series");
-  sdistTarball = release: {
+  # The pristine sdist of each release with a series (the full source tree), as the release
+  # table spells it (magpie/releases.json `sdist`; tests/env/fetch_sdist.py reads it too).
+  sdistTarball =
+    release: fetchurl (magpieLib.pinToFetchurlArgs registryFileBases (magpieLib.sdistPin release));
+  # The ruff check reads each series release's pyproject.toml from it.
+  seriesSdists = map (release: {
     inherit release;
-    tarball = fetchurl (magpieLib.pinToFetchurlArgs registryFileBases vllmSdists.${release});
-  };
-  seriesSdists = map sdistTarball (builtins.filter hasSeries (builtins.attrNames vllmSdists));
+    tarball = sdistTarball release;
+  }) magpieLib.seriesReleases;
   testPython = python.withPackages (ps: [
     ps.pytest
     ps.pytest-timeout
@@ -89,8 +82,7 @@ let
     vllmPackage:
     let
       inherit (vllmPackage) version;
-      sdist = vllmSdists.${version} or (throw "checks.nix: no sdist of vLLM ${version} in vllmSdists");
-      vllmSource = fetchurl (magpieLib.pinToFetchurlArgs registryFileBases sdist);
+      vllmSource = sdistTarball version;
       seriesFiles = magpieLib.seriesPatches vllmPackage.patchSeries;
     in
     runCommand "magpie-patch-series-${version}" { nativeBuildInputs = [ python ]; } ''

@@ -13,6 +13,7 @@ let
     map
     match
     readFile
+    replaceStrings
     split
     splitVersion
     throw
@@ -93,8 +94,36 @@ rec {
   # suffix) and the others built beside it, each from its own pins and patch series. Their
   # attributes carry nixpkgs' version suffix: `vllm-env_0_33`, `serve-flash-next_0_33`.
 
-  defaultVllmRelease = "0.29.0";
-  otherVllmReleases = [ "0.33.0" ];
+  # The one table of the vLLM releases (magpie/releases.json; magpie/releases.py reads it for
+  # Python): the default, and every other release with a series, oldest first. Each row's
+  # `sdist` is what the flake's patch-series checks patch (sdistPin).
+  releaseTable = fromJSON (readFile ../magpie/releases.json);
+  byVersion = builtins.sort (a: b: builtins.compareVersions a b < 0);
+  seriesReleases = byVersion (
+    filter (release: releaseTable.releases.${release}.series or false) (attrNames releaseTable.releases)
+  );
+  defaultVllmRelease =
+    if elem releaseTable.default seriesReleases then
+      releaseTable.default
+    else
+      throw "magpie/releases.json: `default` (${releaseTable.default}) must name a release with a series";
+  otherVllmReleases = filter (release: release != defaultVllmRelease) seriesReleases;
+
+  # The fetchurl pin (pinToFetchurlArgs) of a release's sdist, as the table spells it.
+  sdistPin =
+    release:
+    let
+      known = concatStringsSep ", " (attrNames releaseTable.releases);
+      sdist =
+        (releaseTable.releases.${release}
+          or (throw "vLLM ${release} is not in magpie/releases.json; known: ${known}")
+        ).sdist;
+    in
+    {
+      name = "vllm-sdist";
+      inherit (sdist) filename path;
+      hash = "sha256:${sdist.sha256}";
+    };
 
   # "0.33.0" -> "_0_33" (major and minor, as nixpkgs spells `nodejs_22`, `postgresql_16`); ""
   # for the default release.
@@ -261,127 +290,30 @@ rec {
   torchArchList = capabilities: concatStringsSep ";" (checkCapabilities capabilities);
 
   # ---------------------------------------------------------------------------------------
-  # Apps: name -> the repository script it wraps and what it needs at run time.
-  #   interpreter: "bash"; "stdlib-python" (a plain CPython: the script uses the standard library
-  #     only, so the app does not pull in the multi-GB vLLM environment); "env-python" (the
-  #     patched environment's Python: the script imports torch, transformers, numpy, ...).
-  #   gpu: the app starts vLLM on the GPU: it finds the host's NVIDIA driver and puts ninja,
-  #     nvcc and FlashInfer's cache where the JIT looks for them.
-  #   hostTools: the script calls the host driver's own tools (nvidia-smi: GB10 detection, GPU
-  #     memory), which no Nix package provides; the wrapper keeps the host's PATH after the
-  #     tools it lists. Every other app runs on its listed tools only.
-  #   tool: for a Python script, its name in the package's entry point (`python3 magpie TOOL`,
-  #     magpie.TOOLS): the script's own imports need the package, so it never runs by path.
-  #   pythonVars: variables naming the Python the script runs its tools with, set if unset
-  #     ("env" or "stdlib"): serve.sh reads VLLM_PYTHON, run_suite.sh PYTHON.
-  appTable = {
-    serve-flash-next = {
-      script = "magpie/serving/serve.sh";
-      interpreter = "bash";
-      gpu = true;
-      hostTools = true;
-      pythonVars.VLLM_PYTHON = "env";
-      description = "Serve Qwen3.8-Flash-Next with the patched vLLM (LOG [extra vLLM arguments])";
-    };
-    bench-suite = {
-      script = "magpie/measure/run_suite.sh";
-      interpreter = "bash";
-      gpu = false;
-      hostTools = false;
-      pythonVars.PYTHON = "stdlib";
-      description = "Run the Flash-Next measurement suite (decode bench, GSM8K, metrics) against a server";
-    };
-    build-keepset = {
-      script = "magpie/mtp_pruning/build_keepset.py";
-      tool = "build-keepset";
-      interpreter = "env-python";
-      gpu = false;
-      hostTools = false;
-      pythonVars = { };
-      description = "Build a draft-vocabulary keep-set for MTP draft-head pruning from token counts";
-    };
-    count-tokens = {
-      script = "magpie/mtp_pruning/count_tokens.py";
-      tool = "count-tokens";
-      interpreter = "env-python";
-      gpu = false;
-      hostTools = false;
-      pythonVars = { };
-      description = "Count the token ids of a corpus for keep-set building";
-    };
-    memguard = {
-      script = "magpie/serving/memguard.py";
-      tool = "memguard";
-      interpreter = "stdlib-python";
-      gpu = false;
-      hostTools = true;
-      pythonVars = { };
-      description = "Stop a vLLM server (by PID) when available memory falls under a floor";
-    };
-    watchdog = {
-      script = "magpie/serving/watchdog.py";
-      tool = "watchdog";
-      interpreter = "stdlib-python";
-      gpu = false;
-      hostTools = false;
-      pythonVars = { };
-      description = "Stop (or report) a vLLM server whose engine has stalled, by PID";
-    };
-    ple-warmup = {
-      script = "magpie/serving/ple_warmup.py";
-      tool = "ple-warmup";
-      interpreter = "stdlib-python";
-      gpu = false;
-      hostTools = false;
-      pythonVars = { };
-      description = "Report, warm (within a memory budget) or evict the PLE table's pages in the page cache";
-    };
-    sweep = {
-      script = "magpie/measure/sweep.py";
-      tool = "sweep";
-      interpreter = "stdlib-python";
-      gpu = true;
-      hostTools = true;
-      pythonVars.VLLM_PYTHON = "env";
-      description = "Sweep MTP off / k / pruned over input lengths and concurrency, launching each server";
-    };
-    profile-capture = {
-      script = "magpie/measure/profile_capture.py";
-      tool = "profile-capture";
-      interpreter = "stdlib-python";
-      gpu = false;
-      hostTools = false;
-      pythonVars = { };
-      description = "Capture a torch profiler trace from a running vLLM server";
-    };
-    trace-split = {
-      script = "magpie/measure/trace_split.py";
-      tool = "trace-split";
-      interpreter = "stdlib-python";
-      gpu = false;
-      hostTools = false;
-      pythonVars = { };
-      description = "Split a profiler trace into per-step GPU time by role";
-    };
-    report = {
-      script = "magpie/measure/report.py";
-      tool = "report";
-      interpreter = "stdlib-python";
-      gpu = false;
-      hostTools = false;
-      pythonVars = { };
-      description = "Render benchmark results as a report";
-    };
-    patches = {
-      script = "magpie/patches.py";
-      tool = "patches";
-      interpreter = "stdlib-python";
-      gpu = false;
-      hostTools = false;
-      pythonVars = { };
-      description = "Apply, check, revert, rebase the patch series matching a vLLM installation";
-    };
-  };
+  # Apps: name -> the repository script it wraps and what it needs at run time, from the one
+  # tool list (magpie/tools.json, whose comment says what each field means): every tool with an
+  # `app` is an app of the same name that runs `python3 magpie <tool>` (`tool`), its `script`
+  # the tool module's file (what a build without it refuses); `script_apps` run a shell script.
+  toolTable = fromJSON (readFile ../magpie/tools.json);
+  moduleFile = module: replaceStrings [ "." ] [ "/" ] module + ".py";
+  toolApps = filter (name: toolTable.tools.${name} ? app) (attrNames toolTable.tools);
+  appTable =
+    builtins.listToAttrs (
+      map (
+        name:
+        let
+          tool = toolTable.tools.${name};
+        in
+        {
+          inherit name;
+          value = tool.app // {
+            script = moduleFile tool.module;
+            tool = name;
+          };
+        }
+      ) toolApps
+    )
+    // builtins.mapAttrs (_: entry: entry.app // { inherit (entry) script; }) toolTable.script_apps;
 
   # The body of an app's wrapper (writeShellApplication adds the shebang and `set -euo
   # pipefail`). All inputs are strings so tests can instantiate it with local paths:

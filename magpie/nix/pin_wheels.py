@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Pin vLLM's complete binary-wheel closure, for the Nix flake and for `pip --require-hashes`.
 
-One pin set per vLLM release the flake builds (RELEASES). For each release and target system,
+One pin set per vLLM release the flake builds (the releases with a series in magpie/releases.json,
+which also says what each is resolved with and the cut-off of its resolution). For each release and target system,
 pip's resolver is run for that platform without installing anything (`pip install --dry-run
 --report --only-binary=:all: --platform ... --python-version ...`); its report names every wheel
 of the closure with the sha256 the registry publishes for it. From one resolution per release
-and system this writes, for the default release (0.29.0, the flake's `vllm-env`)
+and system this writes, for the default release (the table's `default`, the flake's `vllm-env`)
 
   nix/pins/<system>.json        the wheels as the flake reads them: name, version, filename,
                                 sha256 (hex and SRI), the file's immutable content-addressed path
@@ -13,8 +14,8 @@ and system this writes, for the default release (0.29.0, the flake's `vllm-env`)
   requirements/<system>.txt     the same set for `pip install --require-hashes --no-deps`
 
 and for every other release the same two files one folder down, under `vllm-<release>/`
-(nix/pins/vllm-0.33.0/<system>.json, requirements/vllm-0.33.0/<system>.txt; nix/lib.nix,
-pinsFile, reads the same layout).
+(nix/pins/vllm-0.33.0/<system>.json, requirements/vllm-0.33.0/<system>.txt: magpie/releases.py
+pins_file; nix/lib.nix pinsFile reads the same layout).
 
 No host name is written: the registry's file paths (`ab/cd/<blake2b-256>/<file name>`, which
 never change once uploaded) are recorded, and the flake puts them under the file host that
@@ -50,24 +51,15 @@ import sys
 import tempfile
 import time
 
+from magpie import releases
+
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pip_target_env.py")
 
-# The release whose pins sit at the top of nix/pins and requirements (the flake's default).
-DEFAULT_RELEASE = "0.29.0"
-# Per release: what is resolved together with `vllm==<release>`, and the moment the resolution
-# sees (files uploaded later are ignored: bump it with the release, after the release's date).
-RELEASES = {
-    # torch 2.13 pins the CUDA 13.0 runtime (cuda-toolkit==13.0.3); humming-kernels asks for nvcc
-    # with no version, which alone resolves to the newest nvcc (13.5), and CCCL then refuses to
-    # compile against the 13.0 runtime headers ("CUDA compiler and CUDA toolkit headers are
-    # incompatible"). The nvcc extra of the same cuda-toolkit keeps the compiler that
-    # FlashInfer's JIT uses at the runtime's version.
-    "0.29.0": {"extra_requirements": ["cuda-toolkit[nvcc]==13.0.3"], "uploaded_prior_to": "2026-11-29T00:00:00Z"},
-    # 0.33.0 (released 2026-11-02) pins torch 2.14, which pins the same CUDA 13.0 runtime
-    # (cuda-toolkit 13.0.3.0, resolved here); left alone, nvcc again resolved to 13.5.37.
-    "0.33.0": {"extra_requirements": ["cuda-toolkit[nvcc]==13.0.3"], "uploaded_prior_to": "2026-11-29T00:00:00Z"},
-}
+# The releases pinned here are the table's releases with a series (magpie/releases.json: per
+# release, what is resolved together with `vllm==<release>`, why, and the moment the resolution
+# sees; files uploaded later are ignored). The default's files sit at the top of nix/pins and
+# requirements, every other release's one folder down (releases.pins_file).
 # DGX OS 7 (Ubuntu 24.04, the GB10's system) ships CPython 3.12 and glibc 2.39: the requirements
 # files must install there without Nix, and nixpkgs has python312 and a newer glibc.
 PYTHON_VERSION = "3.12"
@@ -172,19 +164,14 @@ def tool_requirements(path: str = TOOLS_REQUIREMENTS) -> list[str]:
     return [found[name] for name in TOOLS]
 
 
-def release_folder(release: str) -> str:
-    """The folder of a release's files under nix/pins and requirements ("" for the default)."""
-    return "" if release == DEFAULT_RELEASE else f"vllm-{release}"
+# Where a release's files go (the table's layout, which nix/lib.nix pinsFile reads too).
+pins_file = releases.pins_file
+requirements_file = releases.requirements_file
 
 
-def pins_file(release: str, system: str) -> str:
-    """nix/pins/<system>.json (default release) or nix/pins/vllm-<release>/<system>.json."""
-    return "/".join(filter(None, ["nix", "pins", release_folder(release), f"{system}.json"]))
-
-
-def requirements_file(release: str, system: str) -> str:
-    """requirements/<system>.txt (default release) or requirements/vllm-<release>/<system>.txt."""
-    return "/".join(filter(None, ["requirements", release_folder(release), f"{system}.txt"]))
+def release_settings() -> dict[str, dict]:
+    """release -> the table's `pins` of each release with a series, oldest first."""
+    return {release: releases.row(release)["pins"] for release in releases.series_releases()}
 
 
 def constraints_of(repo: str, release: str, system: str, workdir: str) -> str | None:
@@ -413,19 +400,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="regenerate into a temporary folder, the committed versions as constraints, and compare",
     )
     parser.add_argument("--pip-python", default=sys.executable, help="interpreter whose pip resolves")
+    known = release_settings()
     parser.add_argument(
         "--release",
         nargs="+",
-        default=list(RELEASES),
+        default=list(known),
         metavar="RELEASE",
-        help=f"vLLM releases to pin ({', '.join(RELEASES)}; {DEFAULT_RELEASE} is the flake's default)",
+        help=f"vLLM releases to pin ({', '.join(known)}; {releases.default()} is the flake's default)",
     )
     parser.add_argument("--requirement", default=None, help="what to resolve, for one release (None: vllm==RELEASE)")
     parser.add_argument(
         "--extra-requirement",
         action="append",
         default=None,
-        help="resolved with it, for one release (None: the release's, RELEASES in this file)",
+        help=f"resolved with it, for one release (None: the release's, from {releases.table_path()})",
     )
     parser.add_argument("--python-version", default=PYTHON_VERSION, help="target CPython version")
     parser.add_argument("--glibc-max", default=GLIBC_MAX, help="newest manylinux glibc accepted")
@@ -441,24 +429,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--uploaded-prior-to": args.uploaded_prior_to,
     }
     given = [option for option, value in overrides.items() if value is not None]
-    releases = list(dict.fromkeys(args.release))
-    unknown = [release for release in releases if release not in RELEASES]
+    wanted = list(dict.fromkeys(args.release))
+    unknown = [release for release in wanted if release not in known]
     if unknown:
         parser.error(
-            f"--release {' '.join(unknown)}: no such release in RELEASES ({', '.join(RELEASES)}); to pin another "
-            f"one, add it to RELEASES in {__file__} (what it resolves with and its cut-off date)"
+            f"--release {' '.join(unknown)}: no release with a series in {releases.table_path()} "
+            f"({', '.join(known)}); to pin another one, add its row there (`series`, and `pins`: what it resolves "
+            "with and its cut-off date) beside its series under patches/"
         )
-    if given and len(releases) != 1:
-        parser.error(f"{', '.join(given)}: for one release only; add --release with one of {', '.join(RELEASES)}")
+    if given and len(wanted) != 1:
+        parser.error(f"{', '.join(given)}: for one release only; add --release with one of {', '.join(known)}")
     args.releases = {
         name: {
             "requirement": args.requirement or f"vllm=={name}",
             "extra_requirements": list(
-                RELEASES[name]["extra_requirements"] if args.extra_requirement is None else args.extra_requirement
+                known[name]["extra_requirements"] if args.extra_requirement is None else args.extra_requirement
             ),
-            "uploaded_prior_to": args.uploaded_prior_to or RELEASES[name]["uploaded_prior_to"],
+            "uploaded_prior_to": args.uploaded_prior_to or known[name]["uploaded_prior_to"],
         }
-        for name in releases
+        for name in wanted
     }
     return args
 

@@ -1,9 +1,12 @@
 """Download a vLLM release's source distribution, verify its sha256, unpack it.
 
 The tests patch a pristine vLLM source tree; this fetches it from the package index pip is
-configured with (the PEP 691 JSON form of the simple index), never from a hard-coded host.
+configured with (the PEP 691 JSON form of the simple index), never from a hard-coded host. The
+sha256 of each release is the release table's (magpie/releases.json `sdist`, which the flake's
+checks read too); `--for-tests` fetches every release the table marks `test_sdist`.
 
     python3 tests/env/fetch_sdist.py 0.29.0 .cache/sdist
+    python3 tests/env/fetch_sdist.py --for-tests .cache/sdist    # what tests/env/setup.sh fetches
 """
 
 from __future__ import annotations
@@ -20,11 +23,18 @@ import tempfile
 import urllib.parse
 import urllib.request
 
-# sha256 of each sdist we test against, as the package index lists them, with the releases'
-# roles: tests/env/sdists.json, the one place they are spelled (nix/checks.nix reads it too).
-SDISTS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdists.json")
-with open(SDISTS_JSON) as _f:
-    PINNED_SHA256 = {version: entry["sha256"] for version, entry in json.load(_f)["sdists"].items()}
+if __package__ in (None, ""):  # run by path: the checkout's root makes `magpie` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from magpie import releases  # noqa: E402
+
+
+def pinned_sha256(version: str) -> str:
+    """The sha256 the release table pins for vllm-VERSION.tar.gz (SystemExit naming the table)."""
+    try:
+        return releases.sdist(version)["sha256"]
+    except releases.ReleaseError as exc:
+        raise SystemExit(f"error: {exc}; add the release's row (its `sdist` as the package index lists it)") from exc
 
 
 def index_url() -> str:
@@ -65,9 +75,7 @@ def fetch(version: str, dest: str) -> str:
     filename = f"vllm-{version}.tar.gz"
     tree = os.path.join(dest, f"vllm-{version}")
     stamp = os.path.join(dest, f".{filename}.sha256")
-    expected = PINNED_SHA256.get(version)
-    if not expected:
-        raise SystemExit(f"error: no sha256 pinned for {filename}; add it to {SDISTS_JSON}")
+    expected = pinned_sha256(version)
     if os.path.isdir(tree) and os.path.exists(stamp):
         with open(stamp) as f:
             if f.read().strip() == expected:
@@ -100,10 +108,16 @@ def fetch(version: str, dest: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("version", help="vLLM release, e.g. 0.29.0")
+    parser.add_argument("version", nargs="?", help="vLLM release, e.g. 0.29.0")
     parser.add_argument("dest", help="folder that receives vllm-VERSION/")
+    parser.add_argument(
+        "--for-tests", action="store_true", help="every release the table marks `test_sdist` instead of one"
+    )
     args = parser.parse_args(argv)
-    print(fetch(args.version, args.dest))
+    if args.for_tests == (args.version is not None):
+        parser.error("give a VERSION or --for-tests, not both")
+    for version in releases.sdists_for_tests() if args.for_tests else [args.version]:
+        print(fetch(version, args.dest))
     return 0
 
 

