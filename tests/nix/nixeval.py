@@ -8,30 +8,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+from magpie import releases
+
 REPO = Path(__file__).resolve().parents[2]
 
-# The flake's apps and the script each one runs: the one list the nix tests check the app
-# table, the `apps` and `packages` outputs and the wrappers against.
-EXPECTED_APPS = {
-    "serve-flash-next": "magpie/serving/serve.sh",
-    "bench-suite": "magpie/measure/run_suite.sh",
-    "build-keepset": "magpie/mtp_pruning/build_keepset.py",
-    "count-tokens": "magpie/mtp_pruning/count_tokens.py",
-    "memguard": "magpie/serving/memguard.py",
-    "watchdog": "magpie/serving/watchdog.py",
-    "ple-warmup": "magpie/serving/ple_warmup.py",
-    "sweep": "magpie/measure/sweep.py",
-    "profile-capture": "magpie/measure/profile_capture.py",
-    "trace-split": "magpie/measure/trace_split.py",
-    "report": "magpie/measure/report.py",
-    "patches": "magpie/patches.py",
+# The flake's apps and the script each one runs, as the one tool list gives them
+# (magpie/tools.json: a tool with an `app` runs its module's file, a script app its script); the
+# nix tests check that nix/lib.nix's appTable, the `apps` and `packages` outputs and the
+# wrappers derive from it.
+TOOL_LIST = json.loads((REPO / "magpie" / "tools.json").read_text())
+
+
+def module_file(module: str) -> str:
+    """ "magpie.serving.memguard" -> "magpie/serving/memguard.py" (the file `python3 magpie TOOL`
+    imports)."""
+    return module.replace(".", "/") + ".py"
+
+
+EXPECTED_APPS = {name: module_file(tool["module"]) for name, tool in TOOL_LIST["tools"].items() if "app" in tool} | {
+    name: entry["script"] for name, entry in TOOL_LIST["script_apps"].items()
 }
-# The apps of the other vLLM releases the flake builds (nix/lib.nix otherVllmReleases): those of
-# EXPECTED_APPS that run a vLLM environment, with the release suffix, and the release they run.
+APP_FIELDS = {name: (TOOL_LIST["tools"].get(name) or TOOL_LIST["script_apps"][name])["app"] for name in EXPECTED_APPS}
+# The apps that run a vLLM environment (the patched environment's Python, or a server launched
+# with it): each other release of the table gets its own copy, named with that release's suffix.
+VLLM_APPS = {
+    name
+    for name, app in APP_FIELDS.items()
+    if app["interpreter"] == "env-python" or "env" in app["pythonVars"].values()
+}
+# The other vLLM releases the flake builds (magpie/releases.json: every release with a series
+# but the default), and their apps: name with suffix -> (script, release).
+OTHER_RELEASES = releases.other_series_releases()
 EXPECTED_RELEASE_APPS = {
-    f"{name}_0_33": (script, "0.33.0")
-    for name, script in EXPECTED_APPS.items()
-    if name in {"serve-flash-next", "sweep", "build-keepset", "count-tokens"}
+    f"{name}{releases.nix_suffix(release)}": (EXPECTED_APPS[name], release)
+    for release in OTHER_RELEASES
+    for name in sorted(VLLM_APPS)
 }
 
 
@@ -54,13 +65,25 @@ def shellcheck() -> str:
     return path
 
 
-def nix_eval(body: str, **strings: str):
-    """Evaluate `body` with `lib` (nix/lib.nix), `repo` (a path) and each keyword as a string."""
+def nix_eval(body: str, *, checkout: Path = REPO, **strings: str):
+    """Evaluate `body` with `lib` (nix/lib.nix), `repo` (a path) and each keyword as a string.
+    `checkout`: the tree whose nix/lib.nix (and the magpie/releases.json and magpie/tools.json
+    beside it) is evaluated, this checkout unless a test gives a copy."""
     names = ", ".join(["repoDir", *strings])
     expr = f'{{ {names} }}: let repo = /. + repoDir; lib = import (repo + "/nix/lib.nix"); in {body}'
     # A store that is never opened for writing: evaluation needs none, and inside the Nix build
     # sandbox (checks.tests) newer Nix would otherwise try to open a read-write local store.
-    args = [nix_instantiate(), "--store", "dummy://", "--eval", "--strict", "--json", "--argstr", "repoDir", str(REPO)]
+    args = [
+        nix_instantiate(),
+        "--store",
+        "dummy://",
+        "--eval",
+        "--strict",
+        "--json",
+        "--argstr",
+        "repoDir",
+        str(checkout),
+    ]
     for name, value in strings.items():
         args += ["--argstr", name, value]
     out = subprocess.run([*args, "-E", expr], capture_output=True, text=True, timeout=120)

@@ -10,15 +10,24 @@ is checked is the structure and the arguments the flake hands them, not a build.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.nix.nixeval import EXPECTED_APPS, EXPECTED_RELEASE_APPS, REPO, NixError, nix_eval
+from magpie import releases
+from tests.nix.nixeval import EXPECTED_APPS, EXPECTED_RELEASE_APPS, OTHER_RELEASES, REPO, NixError, nix_eval
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 STAND_IN = REPO / "tests" / "nix" / "nixpkgs-stand-in"
+DEFAULT = releases.default()
 APPS = set(EXPECTED_APPS) | set(EXPECTED_RELEASE_APPS)
-# vLLM 0.33.0 beside the default 0.29.0: its environment, vLLM and closure, and its apps.
-RELEASE_PACKAGES = {"vllm-env_0_33", "vllm_0_33", "vllm-wheel-closure_0_33"}
+# Each other release of the table beside the default: its environment, vLLM and closure, and
+# its apps, with its suffix (`vllm-env_0_33`).
+RELEASE_PACKAGES = {
+    name + releases.nix_suffix(release)
+    for release in OTHER_RELEASES
+    for name in ("vllm-env", "vllm", "vllm-wheel-closure")
+}
 PACKAGES = (
     {
         "default",
@@ -34,9 +43,11 @@ PACKAGES = (
     | RELEASE_PACKAGES
     | APPS
 )
-CHECKS = {"patch-series", "vllm-patched", "patch-series_0_33", "vllm-patched_0_33", "tests", "ruff", "shellcheck"} | {
-    "formatting"
-}
+CHECKS = {
+    name + releases.nix_suffix(release)
+    for release in releases.series_releases()
+    for name in ("patch-series", "vllm-patched")
+} | {"tests", "ruff", "shellcheck", "formatting"}
 
 # The flake's outputs function applied to itself and the stand-in, as `nix flake check` does
 # with the locked nixpkgs.
@@ -126,90 +137,122 @@ def series_entries(release: str) -> list[str]:
     return [e for e in (line.split("#", 1)[0].strip() for line in text.splitlines()) if e]
 
 
+def pinned_wheels(release: str, system: str) -> dict:
+    return json.loads((REPO / releases.pins_file(release, system)).read_text())["wheels"]
+
+
+@pytest.mark.parametrize("release", OTHER_RELEASES)
 @pytest.mark.parametrize("system", SYSTEMS)
-def test_release_packages_are_built_from_that_releases_pins_and_series(system):
+def test_release_packages_are_built_from_that_releases_pins_and_series(system, release):
+    suffix = releases.nix_suffix(release)
     got = flake_eval(
-        "let p = self.packages.${system}; names = env: map (x: x.name) env.packagesGiven; in "
-        "{ vllm = { inherit (p.vllm_0_33) version preInstall series; folder = toString p.vllm_0_33.patchSeries; "
-        "src = p.vllm_0_33.src.name; }; "
-        "closure = { inherit (p.vllm-wheel-closure_0_33) version; wheels = map (w: w.name) "
-        "p.vllm-wheel-closure_0_33.wheels; }; "
-        "env = { inherit (p.vllm-env_0_33) name; given = names p.vllm-env_0_33; }; "
+        "let p = self.packages.${system}; names = env: map (x: x.name) env.packagesGiven; "
+        'vllm = p."vllm${suffix}"; closure = p."vllm-wheel-closure${suffix}"; env = p."vllm-env${suffix}"; in '
+        "{ vllm = { inherit (vllm) version preInstall series; folder = toString vllm.patchSeries; "
+        "src = vllm.src.name; }; "
+        "closure = { inherit (closure) version; wheels = map (w: w.name) closure.wheels; }; "
+        "env = { inherit (env) name; given = names env; }; "
         "default = { env = p.vllm-env.name; vllm = p.vllm.version; folder = toString p.vllm.patchSeries; }; }",
         system=system,
+        suffix=suffix,
     )
-    machine = system.split("-")[0]
+    wheels = pinned_wheels(release, system)
     vllm = got["vllm"]
-    assert vllm["version"] == "0.33.0"
-    assert vllm["src"] == f"vllm-0.33.0-cp38-abi3-manylinux_2_28_{machine}.whl"
-    assert vllm["folder"] == str(REPO / "patches" / "vllm-0.33.0")
-    assert vllm["series"] == series_entries("0.33.0") and vllm["series"]
-    assert vllm["preInstall"].count("patch -p1 --fuzz=0") == len(series_entries("0.33.0"))
-    for entry in series_entries("0.33.0"):
+    assert vllm["version"] == release
+    assert vllm["src"] == wheels["vllm"]["filename"]
+    assert vllm["folder"] == str(REPO / "patches" / f"vllm-{release}")
+    assert vllm["series"] == series_entries(release) and vllm["series"]
+    assert vllm["preInstall"].count("patch -p1 --fuzz=0") == len(series_entries(release))
+    for entry in series_entries(release):
         assert f'echo "applying {entry}"' in vllm["preInstall"]
-    # The 0.33.0 closure is its own resolution (torch 2.14), without vLLM itself.
+    # The closure is the release's own resolution (its pins file), without vLLM itself.
     closure = got["closure"]
-    assert closure["version"] == "0.33.0"
-    assert any(name.startswith("torch-2.14.0-") for name in closure["wheels"])
-    assert not any(name.startswith(("torch-2.13.", "vllm-")) for name in closure["wheels"])
-    assert len(closure["wheels"]) == 198
-    assert got["env"]["name"] == "vllm-0.33.0-magpie-env"
-    assert got["env"]["given"] == ["vllm-wheel-closure-0.33.0", "vllm-0.33.0"]
-    # The default stays 0.29.0.
+    assert closure["version"] == release
+    assert sorted(closure["wheels"]) == sorted(w["filename"] for name, w in wheels.items() if name != "vllm")
+    default_torch = pinned_wheels(DEFAULT, system)["torch"]["filename"]
+    assert (default_torch in closure["wheels"]) == (wheels["torch"]["filename"] == default_torch)
+    assert got["env"]["name"] == f"vllm-{release}-magpie-env"
+    assert got["env"]["given"] == [f"vllm-wheel-closure-{release}", f"vllm-{release}"]
+    # The default stays the table's default.
     assert got["default"] == {
-        "env": "vllm-0.29.0-magpie-env",
-        "vllm": "0.29.0",
-        "folder": str(REPO / "patches" / "vllm-0.29.0"),
+        "env": f"vllm-{DEFAULT}-magpie-env",
+        "vllm": DEFAULT,
+        "folder": str(REPO / "patches" / f"vllm-{DEFAULT}"),
     }
 
 
+@pytest.mark.parametrize("release", OTHER_RELEASES)
 @pytest.mark.parametrize("system", SYSTEMS)
-def test_release_apps_run_that_releases_environment(system):
+def test_release_apps_run_that_releases_environment(system, release):
+    suffix = releases.nix_suffix(release)
     got = flake_eval(
         "let p = self.packages.${system}; in "
-        "{ env033 = toString p.vllm-env_0_33; env029 = toString p.vllm-env; cuda029 = toString p.cuda-home; "
-        'cuda033 = toString (scope system).releases."0.33.0".cudaHome; '
+        '{ envOther = toString p."vllm-env${suffix}"; envDefault = toString p.vllm-env; '
+        "cudaDefault = toString p.cuda-home; cudaOther = toString (scope system).releases.${release}.cudaHome; "
         "apps = builtins.mapAttrs (name: app: { inherit (app) program; inherit (app.meta) description; "
         "text = p.${name}.text; }) self.apps.${system}; }",
         system=system,
+        suffix=suffix,
+        release=release,
     )
     apps = got["apps"]
-    for name, (script, release) in EXPECTED_RELEASE_APPS.items():
-        base = name.removesuffix("_0_33")
+    mine = {name: script for name, (script, of) in EXPECTED_RELEASE_APPS.items() if of == release}
+    assert mine
+    for name, script in mine.items():
+        base = name.removesuffix(suffix)
         app = apps[name]
         assert app["program"].endswith(f"/bin/{name}")
         assert app["description"] == f"{apps[base]['description']} (vLLM {release})"
-        assert f"{got['env033']}/bin/python" in app["text"], name
-        assert got["env029"] not in app["text"], name
+        assert f"{got['envOther']}/bin/python" in app["text"], name
+        assert got["envDefault"] not in app["text"], name
         assert f"/{script}" in app["text"]
         # The same wrapper as the default release's, but for the environment it runs (and the
         # CUDA_HOME made from that release's closure, for FlashInfer's JIT).
-        text033 = app["text"].replace(got["env033"], "ENV").replace(got["cuda033"], "CUDA")
-        text029 = apps[base]["text"].replace(got["env029"], "ENV").replace(got["cuda029"], "CUDA")
-        assert text033 == text029.replace(f"/bin/{base}", f"/bin/{name}")
+        text_other = app["text"].replace(got["envOther"], "ENV").replace(got["cudaOther"], "CUDA")
+        text_default = apps[base]["text"].replace(got["envDefault"], "ENV").replace(got["cudaDefault"], "CUDA")
+        assert text_other == text_default.replace(f"/bin/{base}", f"/bin/{name}")
     # The other apps do not run vLLM: no per-release copy.
-    others = set(EXPECTED_APPS) - {name.removesuffix("_0_33") for name in EXPECTED_RELEASE_APPS}
+    others = set(EXPECTED_APPS) - {name.removesuffix(suffix) for name in mine}
     for name in others:
-        assert got["env033"] not in apps[name]["text"], name
+        assert got["envOther"] not in apps[name]["text"], name
 
 
 def test_release_series_check_patches_that_releases_sdist():
+    names = {"patch-series" + releases.nix_suffix(release): release for release in releases.series_releases()}
     checks = flake_eval(
-        'let c = self.checks."x86_64-linux"; in builtins.mapAttrs (_: d: d.buildCommand) '
-        "{ inherit (c) patch-series patch-series_0_33; }"
+        'let c = self.checks."x86_64-linux"; in builtins.mapAttrs (name: _: c.${name}.buildCommand) '
+        "(builtins.fromJSON names)",
+        names=json.dumps(names),
     )
-    for name, release in (("patch-series", "0.29.0"), ("patch-series_0_33", "0.33.0")):
+    assert set(checks) == set(names) and len(names) >= 2
+    for name, release in names.items():
         command = checks[name]
-        assert f"-vllm-{release}.tar.gz\n" in command and f"cd vllm-{release}\n" in command, name
+        sdist = releases.sdist(release)
+        assert f"-{sdist['filename']}\n" in command and f"cd vllm-{release}\n" in command, name
         assert command.count("patch -p1 --fuzz=0") == len(series_entries(release)), name
         assert "status --require-applied --target ." in command
+
+
+def test_release_series_check_fetches_the_tables_sdist():
+    """The patch-series checks' source is the table's sdist: its content-addressed path and sha256."""
+    fetched = nix_eval("builtins.listToAttrs (map (r: { name = r; value = lib.sdistPin r; }) lib.seriesReleases)")
+    assert set(fetched) == set(releases.series_releases())
+    for release, pin in fetched.items():
+        sdist = releases.sdist(release)
+        assert pin == {
+            "name": "vllm-sdist",
+            "filename": sdist["filename"],
+            "path": sdist["path"],
+            "hash": "sha256:" + sdist["sha256"],
+        }
 
 
 def test_app_wrappers_run_on_their_listed_tools_only():
     texts = flake_eval(
         'let s = scope "aarch64-linux"; in builtins.mapAttrs (_: apps: builtins.mapAttrs (_: w: w.text) apps) '
-        '{ default = s.apps; v033 = s.releases."0.33.0".apps; }'
+        "({ default = s.apps; } // builtins.mapAttrs (_: r: r.apps) s.releases)"
     )
+    assert set(texts) == {"default", *OTHER_RELEASES}
     # serve-flash-next, sweep (which launches it) and memguard call the host driver's nvidia-smi,
     # after their own tools; the same in every release's scope. writeShellApplication's PATH line
     # (its header's fourth line after the shebang and three `set -o`) ends in `:$PATH` for those.
@@ -244,7 +287,7 @@ def test_flashinfer_aot_build_is_capped_and_asks_for_a_big_builder():
 
 def test_series_check_runs_in_a_phase_that_always_runs():
     drv = flake_eval('let d = self.packages."aarch64-linux".vllm; in { inherit (d) preInstall postInstall; }')
-    assert drv["preInstall"].count("patch -p1 --fuzz=0") == 3
+    assert drv["preInstall"].count("patch -p1 --fuzz=0") == len(series_entries(DEFAULT)) > 0
     assert "status \\\n  --require-applied" in drv["preInstall"]
     assert "wheel pack" in drv["preInstall"]
     assert "--require-applied" in drv["postInstall"]
@@ -254,28 +297,31 @@ def test_patch_series_folder_is_an_option_of_the_vllm_package(tmp_path):
     vllm = flake_eval(
         'let v = (scope "aarch64-linux").vllm; in { folder = toString v.patchSeries; inherit (v) series; }'
     )
-    assert vllm["folder"] == str(REPO / "patches" / "vllm-0.29.0")
-    text = (REPO / "patches" / "vllm-0.29.0" / "series").read_text()
-    assert vllm["series"] == [e for e in (line.split("#", 1)[0].strip() for line in text.splitlines()) if e]
-    other = tmp_path / "vllm-0.33.0"
+    assert vllm["folder"] == str(REPO / "patches" / f"vllm-{DEFAULT}")
+    assert vllm["series"] == series_entries(DEFAULT)
+    other = tmp_path / "vllm-0.99.0"
     other.mkdir()
     (other / "series").write_text("")
-    refusal = r"patchSeries vllm-0.33.0 is not the pinned vLLM's \(vllm-0.29.0\)"
+    refusal = rf"patchSeries vllm-0.99.0 is not the pinned vLLM's \(vllm-{DEFAULT}\)"
     overridden = '((scope "aarch64-linux").vllm.override { patchSeries = /. + d; })'
     with pytest.raises(NixError, match=refusal):
         flake_eval(f"toString {overridden}.patchSeries", d=str(other))
-    # And the 0.33.0 scope's vLLM refuses the 0.29.0 series.
-    overridden = (
-        '((scope "aarch64-linux").releases."0.33.0".vllm.override { patchSeries = repo + "/patches/vllm-0.29.0"; })'
-    )
-    with pytest.raises(NixError, match=r"patchSeries vllm-0.29.0 is not the pinned vLLM's \(vllm-0.33.0\)"):
-        flake_eval(f"toString {overridden}.patchSeries")
+    # And each other release's scope's vLLM refuses the default's series.
+    for release in OTHER_RELEASES:
+        overridden = (
+            f'((scope "aarch64-linux").releases."{release}".vllm.override '
+            f'{{ patchSeries = repo + "/patches/vllm-{DEFAULT}"; }})'
+        )
+        with pytest.raises(NixError, match=rf"patchSeries vllm-{DEFAULT} is not the pinned vLLM's \(vllm-{release}\)"):
+            flake_eval(f"toString {overridden}.patchSeries")
 
 
 def test_every_wheel_is_fetched_from_its_immutable_path_under_nixpkgs_pypi_mirror():
     fetched = flake_eval(
         'let s = scope "x86_64-linux"; in map (w: w.name) s.wheelClosure.wheels ++ [ s.vllm.src.name ]'
     )
-    assert len(fetched) == 198 and all(name.endswith(".whl") for name in fetched)
+    wheels = pinned_wheels(DEFAULT, "x86_64-linux")
+    assert sorted(fetched) == sorted(w["filename"] for w in wheels.values())
+    assert len(fetched) > 100 and all(name.endswith(".whl") for name in fetched)
     bases = flake_eval('(scope "x86_64-linux").registryFileBases')
     assert bases == ["https://registry.invalid/packages/"]

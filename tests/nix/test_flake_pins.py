@@ -1,6 +1,6 @@
-"""flake.lock against flake.nix, and the wheel pins of each vLLM release the flake builds
-(0.29.0, the default, and 0.33.0) against the requirements files, the patch series and the pin
-generator's own check against the registry."""
+"""flake.lock against flake.nix, and the wheel pins of each vLLM release the flake builds (the
+releases with a series in magpie/releases.json) against the requirements files, the patch series
+and the pin generator's own check against the registry."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from magpie import releases
 from tests.nix.nixeval import REPO, NixError, nix_eval
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
@@ -21,20 +22,25 @@ NIXPKGS_REV = "567a49d1913ce81ac6e9582e3553dd90a955875f"
 NIXPKGS_NAR_HASH = "sha256-lrp67w8AulE9Ks53n27I45ADSzbOCn4H+CNW1Ck8B+8="
 NIXPKGS_LAST_MODIFIED = 1781577229
 # The registry's published sha256 of each vLLM wheel (0.33.0's as pip's report of the resolution
-# listed them on 2026-12-01).
+# listed them on 2026-12-01): facts recorded apart from the pins, for the releases they were read for.
 VLLM_WHEEL_SHA256 = {
     ("0.29.0", "aarch64-linux"): "e6b0dfc2b6fd307315e9b34b73cd2bfe7b6b08958eda721828e61732bba426b0",
     ("0.29.0", "x86_64-linux"): "09d48617fc2be9c6cdcd5db480651ab0d84817b257204f2cc2e3ecbb70bbb635",
     ("0.33.0", "aarch64-linux"): "e9e404f52c8494b69bd83fe99fe7ecfa9f6b89fbd156d2a9639c24ea41d6d606",
     ("0.33.0", "x86_64-linux"): "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa",
 }
-# Every release has a pin set: the default one at the top of nix/pins and requirements, the
-# others one folder down (magpie/nix/pin_wheels.py and nix/lib.nix pinsFile agree on it).
-RELEASES = ["0.29.0", "0.33.0"]
+# Every release with a series has a pin set: the default one at the top of nix/pins and
+# requirements, the others one folder down (magpie/releases.py pins_file, which
+# magpie/nix/pin_wheels.py writes by, and nix/lib.nix pinsFile agree on it).
+RELEASES = releases.series_releases()
+DEFAULT = releases.default()
 PIN_FILES = {
-    "0.29.0": ("nix/pins/{system}.json", "requirements/{system}.txt"),
-    "0.33.0": ("nix/pins/vllm-0.33.0/{system}.json", "requirements/vllm-0.33.0/{system}.txt"),
+    release: ("nix/pins/{system}.json", "requirements/{system}.txt")
+    if release == DEFAULT
+    else (f"nix/pins/vllm-{release}/{{system}}.json", f"requirements/vllm-{release}/{{system}}.txt")
+    for release in RELEASES
 }
+# Each release's own torch, as vLLM pins it exactly (read in the releases' metadata).
 TORCH = {"0.29.0": "2.13.0", "0.33.0": "2.14.0"}
 TOOLS_PYTHON = REPO / ".cache" / "nix-tools" / "bin" / "python"
 RELEASE_SYSTEMS = [(release, system) for release in RELEASES for system in SYSTEMS]
@@ -48,7 +54,7 @@ def requirements_path(release: str, system: str) -> Path:
     return REPO / PIN_FILES[release][1].format(system=system)
 
 
-def load_pins(system: str, release: str = "0.29.0") -> dict:
+def load_pins(system: str, release: str = DEFAULT) -> dict:
     return json.loads(pins_path(release, system).read_text())
 
 
@@ -81,8 +87,12 @@ def test_pin_files_are_where_the_generator_and_the_flake_look():
     """One layout in three places: these tests, magpie/nix/pin_wheels.py and nix/lib.nix."""
     from magpie.nix import pin_wheels
 
-    assert list(pin_wheels.RELEASES) == RELEASES and pin_wheels.DEFAULT_RELEASE == "0.29.0"
-    assert nix_eval("[ lib.defaultVllmRelease ] ++ lib.otherVllmReleases") == RELEASES
+    assert list(pin_wheels.release_settings()) == RELEASES and len(RELEASES) >= 2
+    assert nix_eval("lib.defaultVllmRelease") == DEFAULT
+    assert nix_eval("[ lib.defaultVllmRelease ] ++ lib.otherVllmReleases") == [
+        DEFAULT,
+        *releases.other_series_releases(),
+    ]
     for release, system in RELEASE_SYSTEMS:
         pins_file, requirements_file = (f.format(system=system) for f in PIN_FILES[release])
         assert pin_wheels.pins_file(release, system) == pins_file
@@ -95,19 +105,19 @@ def test_pin_files_are_where_the_generator_and_the_flake_look():
 
 def test_release_pins_of_another_version_are_refused(tmp_path):
     """The flake reads a release's pins through readReleasePins, which checks the root's version."""
-    (tmp_path / "vllm-0.33.0").mkdir()
-    pins = load_pins("x86_64-linux", "0.29.0")
-    (tmp_path / "vllm-0.33.0" / "x86_64-linux.json").write_text(json.dumps(pins))
-    with pytest.raises(NixError, match=r"vllm-0.33.0/x86_64-linux.json pins vLLM 0.29.0, not 0.33.0"):
-        nix_eval('(lib.readReleasePins (/. + d) "0.33.0" "x86_64-linux").root', d=str(tmp_path))
+    (tmp_path / "vllm-0.99.0").mkdir()
+    pins = load_pins("x86_64-linux", DEFAULT)
+    (tmp_path / "vllm-0.99.0" / "x86_64-linux.json").write_text(json.dumps(pins))
+    with pytest.raises(NixError, match=rf"vllm-0.99.0/x86_64-linux.json pins vLLM {DEFAULT}, not 0.99.0"):
+        nix_eval('(lib.readReleasePins (/. + d) "0.99.0" "x86_64-linux").root', d=str(tmp_path))
     with pytest.raises(NixError, match=r"no pins for vLLM 0.31.0 .*pin-wheels --release 0.31.0"):
         nix_eval('(lib.readReleasePins (/. + d) "0.31.0" "x86_64-linux").root', d=str(tmp_path))
-    assert nix_eval('(lib.readReleasePins (repo + "/nix/pins") "0.33.0" "aarch64-linux").requirement') == (
-        "vllm==0.33.0"
-    )
+    for release in RELEASES:
+        got = nix_eval(f'(lib.readReleasePins (repo + "/nix/pins") "{release}" "aarch64-linux").requirement')
+        assert got == f"vllm=={release}"
 
 
-@pytest.mark.parametrize("release,system", RELEASE_SYSTEMS)
+@pytest.mark.parametrize("release,system", sorted(VLLM_WHEEL_SHA256))
 def test_vllm_wheel_pin_is_the_published_one(release, system):
     vllm = load_pins(system, release)["wheels"]["vllm"]
     machine = system.split("-")[0]
@@ -140,10 +150,12 @@ def test_pins_form_one_closure_of_vllm(release, system):
     pins = load_pins(system, release)
     wheels = pins["wheels"]
     assert pins["root"] == "vllm" and pins["requirement"] == f"vllm=={release}"
-    assert pins["extra_requirements"] == ["cuda-toolkit[nvcc]==13.0.3"]
-    # Each release's own torch (vLLM pins it exactly), and the cut-off after the release.
-    assert wheels["torch"]["version"] == TORCH[release]
-    assert pins["uploaded_prior_to"] == "2026-11-29T00:00:00Z"
+    # What the table says the release is resolved with, and its cut-off.
+    settings = releases.row(release)["pins"]
+    assert pins["extra_requirements"] == settings["extra_requirements"]
+    assert pins["uploaded_prior_to"] == settings["uploaded_prior_to"]
+    if release in TORCH:  # each release's own torch (vLLM pins it exactly)
+        assert wheels["torch"]["version"] == TORCH[release]
     assert pins["marker_environment"]["platform_machine"] == system.split("-")[0]
     reached, todo = set(), ["vllm"]
     while todo:
@@ -263,18 +275,21 @@ def test_pin_generator_refuses_an_unknown_release_and_overrides_for_several(caps
     refused with where to add it, not resolved with guessed settings."""
     from magpie.nix import pin_wheels
 
-    args = pin_wheels.parse_args(["--release", "0.33.0", "--uploaded-prior-to", "2026-11-30T00:00:00Z"])
+    release = RELEASES[-1]
+    args = pin_wheels.parse_args(["--release", release, "--uploaded-prior-to", "2026-11-30T00:00:00Z"])
     assert args.releases == {
-        "0.33.0": {
-            "requirement": "vllm==0.33.0",
-            "extra_requirements": ["cuda-toolkit[nvcc]==13.0.3"],
+        release: {
+            "requirement": f"vllm=={release}",
+            "extra_requirements": releases.row(release)["pins"]["extra_requirements"],
             "uploaded_prior_to": "2026-11-30T00:00:00Z",
         }
     }
     assert list(pin_wheels.parse_args([]).releases) == RELEASES
     with pytest.raises(SystemExit):
-        pin_wheels.parse_args(["--requirement", "vllm==0.33.0"])
+        pin_wheels.parse_args(["--requirement", f"vllm=={release}"])
     assert "--requirement: for one release only; add --release" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         pin_wheels.parse_args(["--release", "0.31.0"])
-    assert "--release 0.31.0: no such release in RELEASES (0.29.0, 0.33.0)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--release 0.31.0: no release with a series in {releases.table_path()} ({', '.join(RELEASES)})" in err
+    assert "add its row there" in err

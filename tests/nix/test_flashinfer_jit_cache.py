@@ -20,12 +20,19 @@ from pathlib import Path
 
 import pytest
 
+from magpie import releases
 from tests.nix.nixeval import REPO, NixError, nix_eval
 from tests.nix.test_flake_outputs import flake_eval
 
 WHEELS = REPO / ".cache" / "flashinfer-wheels"
-REQUIREMENTS = {"0.29.0": "requirements/aarch64-linux.txt", "0.33.0": "requirements/vllm-0.33.0/aarch64-linux.txt"}
-SCOPES = {"0.29.0": '(scope "aarch64-linux")', "0.33.0": '(scope "aarch64-linux").releases."0.33.0"'}
+# Each release with a series: its aarch64 requirements file and its scope in the flake.
+REQUIREMENTS = {release: releases.requirements_file(release, "aarch64-linux") for release in releases.series_releases()}
+SCOPES = {
+    release: '(scope "aarch64-linux")'
+    if release == releases.default()
+    else f'(scope "aarch64-linux").releases."{release}"'
+    for release in releases.series_releases()
+}
 MODULE = "fused_moe_120"
 
 LOAD = r"""
@@ -103,6 +110,23 @@ def load(wheel_folder: Path, package: Path) -> subprocess.CompletedProcess:
         env=env,
         timeout=300,
     )
+
+
+@pytest.mark.parametrize("release", releases.series_releases())
+def test_each_releases_module_loads_in_its_pinned_flashinfer(tmp_path, release):
+    """The module the flake renders for a release, loaded by that release's own FlashInfer: no
+    error, no warning, and the kernels' folder is the module's."""
+    wheel = unpacked(pinned_wheel(release), tmp_path)
+    package, drv = installed_module(release, tmp_path)
+    assert drv["version"].endswith("+sm121")
+    out = load(wheel, package)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["warnings"] == []
+    if "providers" in seen:
+        assert [p["jit_cache_dir"] for p in seen["providers"]] == [str(package / "jit_cache")]
+    else:
+        assert seen["aot_dir"] == str(package / "jit_cache")
 
 
 def test_registry_flashinfer_0_6_reads_the_0_29_module(tmp_path):

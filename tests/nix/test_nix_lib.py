@@ -6,12 +6,23 @@ import base64
 import json
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
 
+from magpie import TOOLS
 from magpie import patches as patch_tool
-from tests.nix.nixeval import EXPECTED_APPS, REPO, NixError, nix_eval, nix_instantiate
+from tests.nix.nixeval import (
+    APP_FIELDS,
+    EXPECTED_APPS,
+    REPO,
+    VLLM_APPS,
+    NixError,
+    module_file,
+    nix_eval,
+    nix_instantiate,
+)
 
 SYSTEMS = ["aarch64-linux", "x86_64-linux"]
 
@@ -158,10 +169,39 @@ def test_suffixed_cuda_capabilities_nixpkgs_accepts_are_accepted():
             nix_eval("lib.capabilityDigits c", c=bad)
 
 
-def test_app_table_names_each_script():
+def test_app_table_is_derived_from_the_tool_list():
+    """nix/lib.nix's appTable is magpie/tools.json's apps: a tool's app runs that tool (`python3
+    magpie TOOL`) and names its module's file as its script; a script app its shell script."""
     table = nix_eval("lib.appTable")
     assert {name: app["script"] for name, app in table.items()} == EXPECTED_APPS
+    for name, app in table.items():
+        assert {k: v for k, v in app.items() if k not in ("script", "tool")} == APP_FIELDS[name], name
+        assert (REPO / app["script"]).is_file(), f"{name}: {app['script']} does not exist"
+        if name in TOOLS:
+            assert app["tool"] == name and app["script"] == module_file(TOOLS[name])
+        else:
+            assert "tool" not in app and app["interpreter"] == "bash", name
     assert {name for name, app in table.items() if app["gpu"]} == {"serve-flash-next", "sweep"}
+    # The apps that get a copy per other release: those that run a vLLM environment.
+    assert set(nix_eval("builtins.attrNames lib.releaseApps")) == VLLM_APPS
+    assert VLLM_APPS == {"serve-flash-next", "sweep", "build-keepset", "count-tokens"}
+
+
+def test_a_tool_given_an_app_in_the_tool_list_becomes_an_app(tmp_path):
+    """One row in magpie/tools.json (a copy, evaluated with the lib.nix beside it) is the whole
+    of adding an app; a tool without `app` is none."""
+    copy = tmp_path / "checkout"
+    shutil.copytree(REPO / "nix", copy / "nix")
+    (copy / "magpie").mkdir()
+    shutil.copy(REPO / "magpie" / "releases.json", copy / "magpie")
+    tool_list = json.loads((REPO / "magpie" / "tools.json").read_text())
+    app = {"interpreter": "stdlib-python", "gpu": False, "hostTools": False, "pythonVars": {}, "description": "x"}
+    tool_list["tools"]["fake-tool"] = {"module": "magpie.fake.fake_tool", "app": app}
+    tool_list["tools"]["report"].pop("app")
+    (copy / "magpie" / "tools.json").write_text(json.dumps(tool_list))
+    table = nix_eval("lib.appTable", checkout=copy)
+    assert table["fake-tool"] == {**app, "script": "magpie/fake/fake_tool.py", "tool": "fake-tool"}
+    assert "report" not in table and set(table) == set(EXPECTED_APPS) - {"report"} | {"fake-tool"}
 
 
 def test_apps_output_points_at_each_wrappers_main_program():

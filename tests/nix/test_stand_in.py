@@ -102,7 +102,8 @@ def test_write_shell_application_writes_nixpkgs_header():
 def flake_shell_applications() -> dict:
     return flake_eval(
         'let s = scope "x86_64-linux"; in builtins.mapAttrs (_: a: a.text) '
-        '(s.apps // s.releases."0.33.0".apps // { nvidia-driver-libs = s.nvidiaDriverLibs; })'
+        "(builtins.foldl' (all: r: all // r.apps) s.apps (builtins.attrValues s.releases) "
+        "// { nvidia-driver-libs = s.nvidiaDriverLibs; })"
     )
 
 
