@@ -1,64 +1,36 @@
 #!/usr/bin/env python3
-"""Run the real vLLM 0.29.0, with this repo's patch series applied, on a lent NVIDIA H200.
+"""Run the real vLLM, with this repo's patch series applied, on a GPU machine that has torch but
+no package registry, and takes a bounded amount of data per call.
 
-The H200 machine has torch 2.11.0+cu130, triton 3.6.0 and Python 3.12, no package registry,
-and takes at most 64 MiB per call (this checkout, ~3 MB, included). vLLM 0.29.0 pins torch
-2.13, but its CUDA kernels (`_C_stable_libtorch.abi3.so`, `_moe_C_stable_libtorch.abi3.so`)
-are built against libtorch's stable ABI, which torch 2.11 exports; so what travels is vLLM's
-Python tree from the pinned 0.29.0 x86_64 wheel (sha256 checked against
-requirements/x86_64-linux.txt), patched with magpie/patches.py, the pure-Python packages the
-machine's image lacks (pinned versions, hashes checked by pip), tiny models, and the two
-kernel libraries, each xz'd in a folder of its own.
+The release is the table's `gpu_harness` row (magpie/releases.json; `prepare --release` picks
+another release with a series). vLLM's CUDA kernels (`_C_stable_libtorch.abi3.so`,
+`_moe_C_stable_libtorch.abi3.so`) are built against libtorch's stable ABI, so they run on the
+machine's own torch; what travels is, each xz'd in a folder of its own under .gpu-harness/:
+
+  c      the C kernels from the release's pinned x86_64 wheel
+  moe    the MoE kernels (MoE models: Qwen4Exp)
+  site   vLLM's Python tree from that wheel, patched with magpie/patches.py from the series as
+         committed (git archive HEAD), the pure-Python packages the machine's image lacks (DEPS;
+         versions and hashes from the release's requirements file, checked by pip), a stand-in
+         for the FlashAttention extension, and the suite's small models or model specs
+
+The wheel's sha256 is checked against the release's requirements file
+(requirements/<system>.txt for the default release, requirements/vllm-<release>/ for others).
 
 Commands
   prepare   (this machine, with the test environment's Python: .venv/bin/python magpie ...)
-            build .gpu-harness/{c,moe,site}: what the calls carry (~5 min on 2 busy cores;
-            --suite mtp|ple picks the models the site folder carries).
-  stage     (GPU machine) move carried folders to /tmp/gpuh, check their sha256s, unpack.
+            build .gpu-harness/{c,moe,site}: what the calls carry (--suite mtp|ple picks the
+            models the site folder carries; --parts, --dest, --wheel, --release).
+  stage     (GPU machine) move carried folders to $GPUH_ROOT (/tmp/gpuh), check their sha256s
+            against their manifests, unpack; a site part may come over several calls.
   models    (GPU machine) write a suite's large checkpoints there (they never travel).
-  run       (GPU machine) run a suite's configurations, each one process with a time budget;
-            write $OUT/results.json, $OUT/summary.txt and $OUT/log.txt (every process's log).
-            Stops when a configuration's vLLM does not start (--keep-going to go on).
+  run       (GPU machine) run a suite's configurations (magpie/gpu/suites.py), each one process
+            (magpie/gpu/worker.py) with a timeout inside --budget; write $OUT/results.json,
+            $OUT/summary.txt and $OUT/log.txt (every process's log). Stops when a
+            configuration's vLLM does not start (--keep-going to go on); --skip-done and --only
+            resume.
   summary   (anywhere) re-read a results.json and print the comparisons.
   list      print the configurations of each suite.
-
-Chaining the calls (device tool `run`; a machine goes back 30 s after a call ends, so make
-them back to back; /tmp on the machine survives only while it is warm). mtp suite:
-  1. carry [".gpu-harness/site"] (26 MB), ~20 s after the machine's start (~30-90 s):
-       python3 magpie gpu-harness stage .gpu-harness/site && python3 magpie gpu-harness models --suite mtp
-  2. carry [".gpu-harness/c"] (57 MB), ~8 min:
-       set -o pipefail; python3 magpie gpu-harness stage .gpu-harness/c \
-         && python3 magpie gpu-harness run --suite mtp --budget 540 2>&1 | tee $OUT/console.txt
-  3. if some were skipped for time, carry nothing:
-       python3 magpie gpu-harness run --suite mtp --budget 400 --skip-done
-ple suite (prepare --parts site --suite ple --dest .gpu-harness/ple: its own site folder, with
-the Qwen4Exp spec; moe + that site + the checkout come within 0.3 MB of the 64 MiB a call
-takes, so the site comes in two calls):
-  1. carry [".gpu-harness/c", ".gpu-harness/ple/site/manifest.json",
-            ".gpu-harness/ple/site/models.tar.xz"]:
-       python3 magpie gpu-harness stage .gpu-harness/c .gpu-harness/ple/site
-  2. carry [".gpu-harness/moe", ".gpu-harness/ple/site/manifest.json",
-            ".gpu-harness/ple/site/site.tar.xz", ".gpu-harness/ple/site/variant-site-0001.tar.xz"]:
-       python3 magpie gpu-harness stage .gpu-harness/moe .gpu-harness/ple/site \
-         && python3 magpie gpu-harness models --suite ple \
-         && python3 magpie gpu-harness run --suite ple --budget 480
-  3. carry nothing: python3 magpie gpu-harness run --suite ple --skip-done --budget 540
-     (--skip-done skips failed ones too: rerun those with --only NAME,...)
-scale and ple-scale suites (issue 18; docs/gpu-harness.md "At scale"): the mtp site's vLLM tree
-serves both. 1. carry [".gpu-harness/site"]: stage it, then `models --suite scale` (17 GB, ~50 s);
-2. carry [".gpu-harness/c"]: stage it, `run --suite scale --budget 545` (~7 min); 3. carry
-[".gpu-harness/moe", ".gpu-harness/ple/site/manifest.json", ".gpu-harness/ple/site/models.tar.xz"]:
-stage both, `models --suite ple-scale` (a 17.4 GB table, ~1 min; needs c staged), then
-`run --suite ple-scale --budget 520` (~5.5 min).
-Staging one suite's site replaces the other's in /tmp/gpuh (site/, models/): run them in turn.
-Time: the first vLLM process on a fresh machine takes ~2.5 min (148 s seen for the tiny
-Qwen3.5 at FULL_DECODE_ONLY: Triton JIT and autotuning of the linear-attention kernels; the
-first compiled FULL_AND_PIECEWISE one then 134 s more for torch.compile); later processes
-20-35 s (caches in /tmp/gpuh). A Qwen4Exp configuration's first process 143-186 s (~100 s of
-it compiling that graph's kernels in the profile run), a second one 45-75 s. Measured on
-2026-12-01: the mtp suite's 9 configurations took 7.6 min of work, the compiled 4,096-id trio
-4.5 min (as the machine's first Qwen3.5 processes), the ple suite's 5 configurations 13.3 min.
-Both suites fit in 30 min only if the calls are chained and nothing is rerun: plan them first.
 
 Results: $OUT/results.json holds, per configuration, the engine's settings as vLLM resolved
 them (runner, cudagraph mode, compile mode), the counts of vLLM's own per-step CUDA-graph
@@ -66,6 +38,9 @@ decisions and FULL-graph replays, the checks' figures, the log lines that prove 
 ran (runner, cudagraph mode, backends, the patches' own lines) and, for a failure, the log
 excerpt that says why. Copy the figures to the optimization's results folder with
 `summary --write-to`.
+
+docs/gpu-harness.md: the machine this is made for (a lent H200), the chain of calls that fits
+its limits, what each suite costs, and how to add a configuration.
 """
 
 from __future__ import annotations
@@ -81,15 +56,33 @@ import tarfile
 import time
 from pathlib import Path
 
-from magpie import cli, files
+from magpie import cli, files, releases
 from magpie.gpu import proof, suites
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+# The machine's system: the wheel, its kernels and the packages carried are x86_64's.
+SYSTEM = "x86_64-linux"
 
 
-WHEEL_NAME = "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-PINS = REPO / "requirements" / "x86_64-linux.txt"
+def requirements_of(release: str) -> Path:
+    """The release's pinned closure for pip --require-hashes (its sha256s check every wheel)."""
+    return REPO / releases.requirements_file(release, SYSTEM)
+
+
+def wheel_name(release: str) -> str:
+    """The file name of the release's pinned vLLM wheel (its nix/pins entry)."""
+    path = REPO / releases.pins_file(release, SYSTEM)
+    try:
+        return json.loads(path.read_text())["wheels"]["vllm"]["filename"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise HarnessError(
+            f"{path}: no pinned vllm wheel ({exc}); run `python3 magpie pin-wheels --release {release}`"
+        ) from exc
+
+
+RELEASE = releases.gpu_harness_release()
+PINS = requirements_of(RELEASE)
 DEST = REPO / ".gpu-harness"
 CALL_LIMIT = 64 * 1024 * 1024
 KERNELS = {"c": "_C_stable_libtorch.abi3.so", "moe": "_moe_C_stable_libtorch.abi3.so"}
@@ -118,6 +111,9 @@ GPUH = Path(os.environ.get("GPUH_ROOT", "/tmp/gpuh"))
 
 class HarnessError(Exception):
     pass
+
+
+WHEEL_NAME = wheel_name(RELEASE)
 
 
 def sha256(path: Path) -> str:
@@ -285,15 +281,17 @@ def check_prepare_python(parts: list[str], python: str = sys.executable) -> None
 
 def cmd_prepare(args) -> int:
     check_prepare_python(args.parts.split(","))
+    release, pins = args.release, requirements_of(args.release)
     dest = Path(args.dest)
     dl = dest / "dl"
     dl.mkdir(parents=True, exist_ok=True)
-    wheel = Path(args.wheel) if args.wheel else dl / WHEEL_NAME
+    name = wheel_name(release)
+    wheel = Path(args.wheel) if args.wheel else dl / name
     if not args.wheel and not wheel.exists():
-        print(f"[prepare] downloading vllm==0.29.0 ({WHEEL_NAME}, 316 MB)", flush=True)
-        pip_download(["vllm==0.29.0"], dl)
-    digest = check_wheel(wheel)
-    print(f"[prepare] {wheel.name}: sha256 {digest} matches {PINS.relative_to(REPO)}", flush=True)
+        print(f"[prepare] downloading vllm=={release} ({name}, ~300 MB)", flush=True)
+        pip_download([f"vllm=={release}"], dl)
+    digest = check_wheel(wheel, pins)
+    print(f"[prepare] {wheel.name}: sha256 {digest} matches {pins.relative_to(REPO)}", flush=True)
     state = git_state()
     print(f"[prepare] patches as committed at HEAD {state['commit'][:12]}; last patch commit {state['patches_commit']}")
     if state["patches_uncommitted_edits_left_out"]:
@@ -302,7 +300,7 @@ def cmd_prepare(args) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     parts = args.parts.split(",")
-    common = {"wheel": wheel.name, "wheel_sha256": digest, "git": state, "prepared_utc": _utc()}
+    common = {"release": release, "wheel": wheel.name, "wheel_sha256": digest, "git": state, "prepared_utc": _utc()}
     for part in ("c", "moe"):
         if part not in parts:
             continue
@@ -321,7 +319,7 @@ def cmd_prepare(args) -> int:
         site = work / "site"
         n = unzip_into(wheel, site, WHEEL_EXCLUDE)
         print(f"[prepare] vLLM tree: {n} files from the wheel", flush=True)
-        deps = _deps(dl / "deps")
+        deps = _deps(dl / "deps", pins)
         for w in sorted((dl / "deps").glob("*.whl")):
             unzip_into(w, site)
         print(f"[prepare] {len(deps)} pinned wheels unpacked into the tree (pip checked their hashes)", flush=True)
@@ -437,12 +435,12 @@ def _utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _deps(dest: Path) -> list[str]:
-    pins = pinned()
+def _deps(dest: Path, pins_path: Path = PINS) -> list[str]:
+    pins = pinned(pins_path)
     lines, specs = [], []
     for name in DEPS:
         if name not in pins:
-            raise HarnessError(f"{PINS}: {name} is not pinned; drop it from DEPS or pin it")
+            raise HarnessError(f"{pins_path}: {name} is not pinned; drop it from DEPS or pin it")
         version, hashes = pins[name]
         lines.append(f"{name}=={version} " + " ".join(f"--hash=sha256:{h}" for h in hashes))
         specs.append(f"{name}=={version}")
@@ -772,7 +770,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("magpie gpu-harness", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("prepare", help="build .gpu-harness/{c,moe,site} here (needs pip to reach the registry)")
-    p.add_argument("--wheel", help=f"the pinned {WHEEL_NAME} (default: download it into .gpu-harness/dl)")
+    p.add_argument("--wheel", help="the release's pinned wheel (default: download it into .gpu-harness/dl)")
+    p.add_argument(
+        "--release",
+        default=RELEASE,
+        choices=releases.series_releases(),
+        help="the vLLM release carried (default: %(default)s, the table's gpu_harness row)",
+    )
     p.add_argument("--dest", default=str(DEST), help="output folder, ignored by git (default: %(default)s)")
     p.add_argument("--parts", default="c,moe,site", help="comma list of c, moe, site (default: %(default)s)")
     p.add_argument("--suite", default="mtp", choices=("mtp", "ple"), help="whose models the site folder carries")

@@ -3,7 +3,7 @@
 3.6.0, Python 3.12), step by step, to the first failing import (issue 19 item 2).
 
 What travels is the release's Python tree from its pinned x86_64 wheel (sha256 checked against
-requirements/vllm-<release>/x86_64-linux.txt), without the compiled kernels and the Rust
+the release's x86_64 requirements file, magpie/releases.py requirements_file), without the compiled kernels and the Rust
 front-end (their names and sizes go in the manifest), patched with the release's committed
 series (magpie/patches.py apply), plus the pinned packages of the release's closure that the
 H200 image (as /work/.library/device/KINDS.md lists it) lacks, except those that link torch or
@@ -37,7 +37,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from magpie import cli, files
+from magpie import cli, files, releases
 from magpie.gpu import harness
 
 REPO = harness.REPO
@@ -73,7 +73,8 @@ class ProbeError(Exception):
 
 
 def pins_file(release: str) -> Path:
-    return REPO / "requirements" / f"vllm-{release}" / "x86_64-linux.txt"
+    """The release's x86_64 requirements file (the release table's layout: harness.requirements_of)."""
+    return harness.requirements_of(release)
 
 
 def image_packages(kinds: Path = KINDS_MD) -> tuple[set[str], dict[str, str]]:
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("python3 -m magpie.gpu.release_probe", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("prepare", help="build .gpu-harness/v<release>/bundle here (pip reaches the registry)")
-    p.add_argument("--release", required=True, help="e.g. 0.33.0")
+    p.add_argument("--release", required=True, choices=releases.series_releases(), help="e.g. 0.33.0")
     p.add_argument("--wheel", help="the release's manylinux x86_64 wheel (default: download into DEST/dl)")
     p.add_argument("--dest", help="output folder, ignored by git (default: .gpu-harness/v<major><minor>)")
     p = sub.add_parser("probe", help="GPU machine: unpack a bundle and run the import steps")

@@ -1,6 +1,7 @@
 """CPU tests of the GPU harness's parts (magpie/gpu): what can run without the H200.
 
-- the pins and the wheel check (the real requirements file; a wrong wheel is refused by name);
+- the release (the release table's `gpu_harness` row), its pins and the wheel check (the real
+  requirements file; a wrong wheel is refused by name);
 - a carried folder's manifest, staged on "the GPU side" (a temp root), and a corrupted
   transfer refused;
 - the sampling statistics against textbook values;
@@ -19,16 +20,36 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
+from magpie import releases  # noqa: E402
 from magpie.gpu import harness, models, proof  # noqa: E402
 
 
 def test_pins_give_the_vllm_wheel_hash():
+    assert harness.RELEASE == releases.gpu_harness_release()
+    assert harness.PINS == REPO / releases.requirements_file(harness.RELEASE, "x86_64-linux")
     pins = harness.pinned()
     version, hashes = pins["vllm"]
-    assert version == "0.29.0"
+    assert version == harness.RELEASE
     assert len(hashes) >= 1 and all(len(h) == 64 for h in hashes)
     for name in harness.DEPS:
         assert name in pins, f"{name} is carried but not pinned in {harness.PINS}"
+
+
+@pytest.mark.parametrize("release", releases.series_releases())
+def test_each_series_release_has_the_wheel_and_hash_the_harness_carries(release):
+    """Any release with a series can be prepared (--release): its wheel's name from its nix pins,
+    the hash prepare checks from its requirements file, the same file."""
+    nix_pins = json.loads((REPO / releases.pins_file(release, "x86_64-linux")).read_text())["wheels"]["vllm"]
+    assert harness.wheel_name(release) == nix_pins["filename"]
+    assert nix_pins["filename"].startswith(f"vllm-{release}-") and nix_pins["filename"].endswith("_x86_64.whl")
+    version, hashes = harness.pinned(harness.requirements_of(release))["vllm"]
+    assert (version, hashes) == (release, [nix_pins["sha256"]])
+
+
+def test_a_release_without_pins_is_refused_naming_the_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "REPO", tmp_path)
+    with pytest.raises(harness.HarnessError, match=r"run `python3 magpie pin-wheels --release 0.33.0`"):
+        harness.wheel_name("0.33.0")
 
 
 def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path):
@@ -37,7 +58,7 @@ def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path):
     with pytest.raises(harness.HarnessError) as err:
         harness.check_wheel(fake)
     message = str(err.value)
-    assert str(fake) in message and "is not the pinned vllm==0.29.0 hash" in message
+    assert str(fake) in message and f"is not the pinned vllm=={harness.RELEASE} hash" in message
     with pytest.raises(harness.HarnessError, match="no such file"):
         harness.check_wheel(tmp_path / "missing.whl")
 
