@@ -25,16 +25,15 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["ROOT", "TOOLS", "tool_command", "tool_env"]
+__all__ = ["ROOT", "TOOLS", "TOOL_LIST", "tool_command", "tool_env"]
 
 ROOT = Path(__file__).resolve().parent.parent
 """The folder that holds the `magpie` package (a checkout's root)."""
 
-# tool name -> module, from magpie/tools.json (the one list; the console script of each is
-# `magpie-<name>`, the flake's apps name their tool there too).
-TOOLS: dict[str, str] = {
-    name: row["module"] for name, row in json.loads((Path(__file__).with_name("tools.json")).read_text())["tools"].items()
-}
+# tool name -> module, from magpie/tools.json: the one tool list (the console script of each is
+# `magpie-<name>`; a tool with an `app` there is also the flake's app of that name, nix/lib.nix).
+TOOL_LIST = Path(__file__).with_name("tools.json")
+TOOLS: dict[str, str] = {name: row["module"] for name, row in json.loads(TOOL_LIST.read_text())["tools"].items()}
 
 
 def tool_command(python: str, module: str, *args: str) -> list[str]:

@@ -11,6 +11,7 @@ is checked is the structure and the arguments the flake hands them, not a build.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -59,8 +60,10 @@ FLAKE = (
 )
 
 
-def flake_eval(body: str, **strings: str):
-    return nix_eval(FLAKE + body, standIn=str(STAND_IN), **strings)
+def flake_eval(body: str, *, checkout: Path = REPO, **strings: str):
+    """`body` with the flake's outputs (`self`, `scope`) of `checkout` (this one unless a test
+    gives a copy)."""
+    return nix_eval(FLAKE + body, checkout=checkout, standIn=str(STAND_IN), **strings)
 
 
 def test_stand_in_callpackage_adds_override_to_attribute_sets_like_nixpkgs(tmp_path):

@@ -1,0 +1,245 @@
+"""Adding a vLLM release is its rebased series, one row of magpie/releases.json and its
+regenerated pins: a copy of this checkout gets a fake 0.34.0 that way (the series copied from
+0.33.0 with its Target headers moved on, as `patches rebase` writes them; the pins copied from
+0.33.0's with the vLLM wheel renamed, as `pin-wheels` would write them), and every consumer of the
+table picks it up with no other edit: the table's reader, the pin generator, nix/lib.nix and
+the flake's outputs (their `_0_34` names), the sdist fetcher, the serving launcher's PLE switch,
+the GPU harness and the tests' parametrization. The copy's own tests/nix suite then runs
+against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from magpie import releases
+from tests.nix.nixeval import nix_eval
+from tests.nix.test_flake_outputs import flake_eval
+from tests.releases import each_series, series_dir
+
+REPO = Path(__file__).resolve().parent.parent
+NEW, FROM = "0.34.0", "0.33.0"
+SYSTEMS = ["aarch64-linux", "x86_64-linux"]
+FAKE_SDIST = {
+    "filename": f"vllm-{NEW}.tar.gz",
+    "sha256": "ab" * 32,
+    "path": f"12/34/{'5' * 60}/vllm-{NEW}.tar.gz",
+}
+
+
+def checkout_files() -> list[str]:
+    """What a clone holds (tracked and new files), as the GPU harness counts a checkout."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    )
+    return [name for name in out.stdout.decode().split("\0") if name and (REPO / name).is_file()]
+
+
+def add_release(root: Path) -> None:
+    """The three steps of docs/vllm-releases.md ("Adding a release"), done by hand in `root`."""
+    # 1. The rebased series (patches rebase writes the new Target: header).
+    shutil.copytree(root / "patches" / f"vllm-{FROM}", root / "patches" / f"vllm-{NEW}")
+    for patch in (root / "patches" / f"vllm-{NEW}").rglob("*.patch"):
+        patch.write_text(patch.read_text().replace(f"Target: vllm {FROM}\n", f"Target: vllm {NEW}\n", 1))
+    # 2. One row. Its PLE switch is deliberately not what a 0.30+ release would have, so that a
+    # consumer that guesses from the version number instead of reading the row is caught; the
+    # GPU harness moves to it too.
+    table = json.loads((root / "magpie" / "releases.json").read_text())
+    for row in table["releases"].values():
+        row.pop("gpu_harness", None)
+    table["releases"][NEW] = {
+        "series": True,
+        "ple_switch": "hf-overrides",
+        "pins": {"extra_requirements": [], "uploaded_prior_to": "2027-01-01T00:00:00Z", "why": "a test's release"},
+        "test_sdist": True,
+        "sdist": FAKE_SDIST,
+        "gpu_harness": True,
+    }
+    (root / "magpie" / "releases.json").write_text(json.dumps(table, indent=2) + "\n")
+    # 3. The pins, as pin-wheels writes them (here: 0.33.0's, with the vLLM wheel renamed).
+    for system in SYSTEMS:
+        pins_text = (root / releases.pins_file(FROM, system)).read_text()
+        pins = json.loads(pins_text)
+        vllm = pins["wheels"]["vllm"]
+        old_name = vllm["filename"]
+        vllm["version"] = NEW
+        vllm["filename"] = old_name.replace(f"vllm-{FROM}-", f"vllm-{NEW}-")
+        vllm["path"] = vllm["path"].replace(old_name, vllm["filename"])
+        pins["requirement"] = f"vllm=={NEW}"
+        settings = table["releases"][NEW]["pins"]
+        pins["extra_requirements"] = settings["extra_requirements"]
+        pins["uploaded_prior_to"] = settings["uploaded_prior_to"]
+        target = root / "nix" / "pins" / f"vllm-{NEW}" / f"{system}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(pins, indent=2) + "\n")
+        text = (root / releases.requirements_file(FROM, system)).read_text()
+        text = text.replace(f"\nvllm=={FROM} \\", f"\nvllm=={NEW} \\").replace(f"vllm-{FROM}/", f"vllm-{NEW}/")
+        target = root / "requirements" / f"vllm-{NEW}" / f"{system}.txt"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("checkout")
+    for name in checkout_files():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, root / name)
+    add_release(root)
+    return root
+
+
+@pytest.fixture
+def table(checkout, monkeypatch) -> Path:
+    """MAGPIE_RELEASES at the copy's table, for the consumers that run in this process."""
+    path = checkout / "magpie" / "releases.json"
+    monkeypatch.setenv("MAGPIE_RELEASES", str(path))
+    return path
+
+
+def test_the_table_reader_has_the_new_release(table):
+    assert releases.table_path() == table
+    assert releases.series_releases()[-2:] == [FROM, NEW]
+    assert releases.other_series_releases()[-1] == NEW
+    assert releases.nix_suffix(NEW) == "_0_34"
+    assert releases.pins_file(NEW, "x86_64-linux") == f"nix/pins/vllm-{NEW}/x86_64-linux.json"
+    assert releases.requirements_file(NEW, "x86_64-linux") == f"requirements/vllm-{NEW}/x86_64-linux.txt"
+    assert releases.gpu_harness_release() == NEW
+    assert NEW in releases.sdists_for_tests()
+
+
+def test_the_pin_generator_pins_it(table):
+    from magpie.nix import pin_wheels
+
+    args = pin_wheels.parse_args([])
+    assert list(args.releases) == releases.series_releases() and NEW in args.releases
+    assert args.releases[NEW] == {
+        "requirement": f"vllm=={NEW}",
+        "extra_requirements": [],
+        "uploaded_prior_to": "2027-01-01T00:00:00Z",
+    }
+    assert pin_wheels.pins_file(NEW, "aarch64-linux") == f"nix/pins/vllm-{NEW}/aarch64-linux.json"
+    assert list(pin_wheels.parse_args(["--release", NEW]).releases) == [NEW]
+
+
+def test_nix_lib_and_the_flake_build_it_with_the_suffix(checkout):
+    got = nix_eval(
+        f'{{ inherit (lib) defaultVllmRelease otherVllmReleases; suffix = lib.releaseSuffix "{NEW}"; '
+        f'pins = lib.pinsFile "{NEW}" "x86_64-linux"; sdist = lib.sdistPin "{NEW}"; }}',
+        checkout=checkout,
+    )
+    assert got["defaultVllmRelease"] == releases.default()
+    assert got["otherVllmReleases"][-2:] == [FROM, NEW]
+    assert got["suffix"] == "_0_34" and got["pins"] == f"vllm-{NEW}/x86_64-linux.json"
+    assert got["sdist"] == {"name": "vllm-sdist", **{k: FAKE_SDIST[k] for k in ("filename", "path")}} | {
+        "hash": f"sha256:{FAKE_SDIST['sha256']}"
+    }
+    names = flake_eval(
+        'builtins.mapAttrs (_: output: builtins.attrNames output."x86_64-linux") '
+        "{ inherit (self) checks packages apps; }",
+        checkout=checkout,
+    )
+    assert {"patch-series_0_34", "vllm-patched_0_34"} <= set(names["checks"])
+    assert {"vllm-env_0_34", "vllm_0_34", "vllm-wheel-closure_0_34", "serve-flash-next_0_34"} <= set(names["packages"])
+    assert {"serve-flash-next_0_34", "sweep_0_34", "build-keepset_0_34", "count-tokens_0_34"} <= set(names["apps"])
+    built = flake_eval(
+        'let p = self.packages."x86_64-linux"; c = self.checks."x86_64-linux"; in '
+        "{ version = p.vllm_0_34.version; folder = toString p.vllm_0_34.patchSeries; "
+        "check = c.patch-series_0_34.buildCommand; }",
+        checkout=checkout,
+    )
+    assert built["version"] == NEW and built["folder"] == str(checkout / "patches" / f"vllm-{NEW}")
+    assert f"-vllm-{NEW}.tar.gz\n" in built["check"] and f"cd vllm-{NEW}\n" in built["check"]
+
+
+def test_the_sdist_fetcher_pins_its_hash(table):
+    from tests.env import fetch_sdist
+
+    assert fetch_sdist.pinned_sha256(NEW) == FAKE_SDIST["sha256"]
+
+
+def test_the_ple_switch_is_the_rows(table):
+    """0.34.0's row says hf-overrides: the table's answer, not a guess from the version number
+    (0.33.1 still takes 0.33.0's row, 0.35.0 the new one)."""
+    assert releases.ple_switch(NEW) == "hf-overrides"
+    assert releases.ple_switch("0.35.2") == "hf-overrides"
+    assert releases.ple_switch("0.33.1") == "engram-config"
+
+
+def test_the_serving_launcher_spells_ple_as_the_row_says(table):
+    from magpie.serving import launch
+
+    config = {"hf-overrides": {"ple_mmap": True}}
+    assert launch.ple_for_release(config, NEW) == config
+    assert launch.ple_for_release(config, FROM) == {"engram-config": {"offload_storage": "mmap"}}
+
+
+def test_the_gpu_harness_carries_it(checkout):
+    """The copy's harness (its own table, no variable) defaults to the new release and names its
+    wheel and requirements file."""
+    env = {k: v for k, v in os.environ.items() if k != "MAGPIE_RELEASES"}
+    code = (
+        "from magpie.gpu import harness; "
+        "print(harness.RELEASE, harness.WHEEL_NAME, harness.PINS.relative_to(harness.REPO), sep='\\n')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [
+        NEW,
+        f"vllm-{NEW}-cp38-abi3-manylinux_2_28_x86_64.whl",
+        f"requirements/vllm-{NEW}/x86_64-linux.txt",
+    ]
+    help_text = subprocess.run(
+        [sys.executable, str(checkout / "magpie"), "gpu-harness", "prepare", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert re.search(rf"--release \{{[0-9., ]*{re.escape(NEW)}\}}", help_text), help_text
+    assert f"(default: {NEW}, the table's gpu_harness row)" in " ".join(help_text.split())
+
+
+def test_the_tests_parametrize_over_it_and_the_copys_nix_suite_passes(checkout):
+    """The copy's own tests/nix suite, collected from its table: the new release's ids appear and
+    every test passes (the registry ones aside), with no test edited."""
+    env = {k: v for k, v in os.environ.items() if k != "MAGPIE_RELEASES"}
+    files = ["tests/nix/test_flake_outputs.py", "tests/nix/test_nix_lib.py", "tests/nix/test_flake_pins.py"]
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q", "-k", "not registry"]
+    collected = subprocess.run(
+        [*args, "--collect-only", *files, "tests/test_releases.py"],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    ids = collected.stdout
+    assert f"test_release_packages_are_built_from_that_releases_pins_and_series[aarch64-linux-{NEW}]" in ids
+    assert f"test_release_apps_run_that_releases_environment[x86_64-linux-{NEW}]" in ids
+    assert f"test_requirements_file_is_the_same_set_as_the_pins[{NEW}-x86_64-linux]" in ids
+    assert f"test_series_of_the_repository_matches_the_patch_tool[{NEW}]" in ids
+    assert f"test_each_series_is_collected[{NEW}]" in ids  # tests/releases.py's each_series
+    ran = subprocess.run([*args, *files], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
+    assert re.search(r"\d+ passed", ran.stdout), ran.stdout[-500:]
+
+
+@each_series
+def test_each_series_is_collected(release):
+    """tests/releases.py's marker: one test per row with a series, each with its folder."""
+    assert (series_dir(release) / "series").is_file()
+    assert release in releases.series_releases()
