@@ -367,3 +367,30 @@ def test_what_prepare_writes_is_ignored_by_git_so_no_call_carries_it_unasked():
     for path in (".gpu-harness/dl/vllm.whl", ".gpu-harness/c/manifest.json", ".gpu-harness/ple/site/site.tar.xz"):
         proc = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
         assert proc.returncode == 0, f"{path} is not ignored by git"
+
+
+def test_every_configuration_of_every_suite_is_runnable_as_written(monkeypatch):
+    """What `run` relies on and would only find out on the GPU machine: a configuration's name is
+    unique (its result file is /tmp/gpuh/results/<name>.json for every suite), worker.llm_kwargs
+    builds vLLM's arguments from it (its compile mode is known), its checks are the worker's, the
+    configuration it is compared with is in its suite (summary compares them at the end), and the
+    one whose memory bounds it runs before it (bound_limit reads that result)."""
+    from magpie.gpu import suites, worker
+
+    monkeypatch.setenv("GPUH_MODELS", "/models")
+    names = [cfg["name"] for configs in suites.SUITES.values() for cfg in configs]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    for suite, configs in suites.SUITES.items():
+        assert configs, suite
+        before: set[str] = set()
+        in_suite = {cfg["name"] for cfg in configs}
+        for cfg in configs:
+            kwargs = worker.llm_kwargs(cfg, "/models/" + cfg["model"])
+            assert kwargs["model"] == "/models/" + cfg["model"], cfg["name"]
+            assert cfg["checks"] and set(cfg["checks"]) <= set(worker.CHECKS), cfg["name"]
+            assert cfg.get("compare_to") in in_suite - {cfg["name"]} | {None}, f"{suite}/{cfg['name']}: compare_to"
+            assert cfg.get("bound_after") in before | {None}, f"{suite}/{cfg['name']}: bound_after"
+            assert cfg.get("site") in (None, "site-0001"), cfg["name"]  # prepare --suite ple's variant
+            before.add(cfg["name"])
+    with pytest.raises(KeyError):
+        worker.llm_kwargs({**suites.SUITES["mtp"][0], "compile": "turbo"}, "/models/inc")
