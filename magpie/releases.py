@@ -6,8 +6,9 @@ suffixes (nix/lib.nix reads the same JSON), the sdists the tests patch (tests/en
 harness's wheel, and how the serving launcher spells the n-gram-table switch for a release.
 Adding a release is the rebased series plus one row (docs/vllm-releases.md, "Adding a release").
 
-Standard library only; `MAGPIE_RELEASES` may name another table (the tests use a copy with a
-fake release to see every consumer pick it up).
+Standard library only; `MAGPIE_RELEASES` may name another table for the Python readers (the
+tests use a copy with a fake release to see every consumer pick it up). nix/lib.nix reads the
+magpie/releases.json of the checkout it is evaluated in.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def _load(path: str) -> dict[str, Any]:
         sd = entry.get("sdist")
         if not isinstance(sd, dict) or not {"filename", "sha256", "path"} <= set(sd):
             raise ReleaseError(f"{where}.sdist needs filename, sha256 and path (as the package index lists them)")
+        if sd["filename"] != f"vllm-{release}.tar.gz" or not sd["path"].endswith("/" + sd["filename"]):
+            raise ReleaseError(f"{where}.sdist: filename must be vllm-{release}.tar.gz and path end in it")
+        if not re.fullmatch(r"[0-9a-f]{64}", str(sd["sha256"])):
+            raise ReleaseError(f"{where}.sdist.sha256 must be 64 lowercase hex digits")
         if entry.get("series"):
             pins = entry.get("pins")
             if not isinstance(pins, dict) or not isinstance(pins.get("extra_requirements"), list):

@@ -243,3 +243,26 @@ def test_each_series_is_collected(release):
     """tests/releases.py's marker: one test per row with a series, each with its folder."""
     assert (series_dir(release) / "series").is_file()
     assert release in releases.series_releases()
+
+
+@pytest.mark.parametrize(
+    "edit, refusal",
+    [
+        (lambda t: t["releases"]["0.33.0"].pop("pins"), r"releases.0.33.0: a release with a series needs `pins"),
+        (lambda t: t["releases"]["0.33.0"]["pins"].update(uploaded_prior_to="soon"), r"0.33.0.pins.uploaded_prior_to"),
+        (lambda t: t["releases"]["0.31.0"].pop("role"), r"releases.0.31.0: a release without a series says why"),
+        (lambda t: t["releases"]["0.33.0"].update(ple_switch="cli"), r"0.33.0.ple_switch must be one of"),
+        (lambda t: t["releases"]["0.33.0"].update(gpu_harness=True), r"exactly one release has `gpu_harness: true`"),
+        (lambda t: t["releases"]["0.31.0"].update(gpu_harness=True), r"0.31.0: `gpu_harness` needs a release with a"),
+        (lambda t: t.update(default="0.31.0"), r"`default` must name a release with a series"),
+        (lambda t: t["releases"]["0.32.0"]["sdist"].update(filename="vllm-0.32.1.tar.gz"), r"vllm-0.32.0.tar.gz"),
+        (lambda t: t["releases"].update({"0.34": t["releases"]["0.33.0"]}), r"a release is MAJOR.MINOR.PATCH"),
+    ],
+)
+def test_a_malformed_table_is_refused_naming_the_field(tmp_path, monkeypatch, edit, refusal):
+    table = json.loads(releases.TABLE.read_text())
+    edit(table)
+    (tmp_path / "releases.json").write_text(json.dumps(table))
+    monkeypatch.setenv("MAGPIE_RELEASES", str(tmp_path / "releases.json"))
+    with pytest.raises(releases.ReleaseError, match=refusal):
+        releases.series_releases()
