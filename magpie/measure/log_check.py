@@ -28,16 +28,15 @@ the log names none, or one without a series).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
 
-from magpie import patches as patch_tool
+from magpie import cli, files, patches
 from magpie.serving import manifest
 
-SCHEMA = "flash-next/log-check/1"
+SCHEMA = files.schema("log-check", 1)
 
 PATTERNS = {
     # vLLM 0.29.0, vllm/v1/engine/core.py: "Initializing a V1 LLM engine (v0.29.0) with config: ..."
@@ -86,22 +85,22 @@ def proof_patterns(lines: list[str], patches_dir: str | None = None) -> dict[str
     """{name: [regex, ...]} from the `Proof-Log:` header lines of the series for the vLLM release
     the log names (all series when it names none, or one with no series). A name several patches
     declare (ple_active: 0001's and 0002's line) has one regex per distinct pattern."""
-    root = os.path.normpath(patches_dir or patch_tool.PATCHES_DIR)
-    found = patch_tool.available_series(root)
+    root = os.path.normpath(patches_dir or patches.PATCHES_DIR)
+    found = patches.available_series(root)
     if not found:
-        raise patch_tool.ToolError(
+        raise patches.ToolError(
             f"no patch series under {root}: the lines that prove a patch active are the `Proof-Log:` "
             "lines of the patch headers; run log-check from a checkout (`python3 magpie log-check LOG`)"
         )
     version = next((m.group("version") for m in map(_VERSION.search, lines) if m), None)
-    release = patch_tool.release_of(version) if version else None
+    release = patches.release_of(version) if version else None
     folders = [found[release]] if release in found else list(found.values())
     patterns: dict[str, list[re.Pattern]] = {}
     for folder in folders:
-        for patch in patch_tool.load_series(folder):
+        for patch in patches.load_series(folder):
             for proof in patch.proof_logs:
                 if proof.name in PATTERNS:
-                    raise patch_tool.ToolError(
+                    raise patches.ToolError(
                         f"{os.path.join(folder, patch.name)}: `Proof-Log: {proof.name}` is the name of one of "
                         "vLLM's own lines in log_check's PATTERNS; name the patch's line otherwise"
                     )
@@ -110,7 +109,7 @@ def proof_patterns(lines: list[str], patches_dir: str | None = None) -> dict[str
                     known.append(proof.regex)
     missing = [name for name in PROOF_LOGS if name not in patterns and release not in found]
     if missing:
-        raise patch_tool.ToolError(
+        raise patches.ToolError(
             f"log_check reads the patch line(s) {', '.join(missing)}, which no `Proof-Log:` header line "
             f"under {root} declares"
         )
@@ -300,25 +299,19 @@ def matches_expectation(features: dict, feature: str, wanted: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="log_check.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie log-check", __doc__)
     parser.add_argument("log", help="the server log (serve.sh's LOG, or any vLLM server output)")
     parser.add_argument("--expect", action="append", default=[], metavar="FEATURE=STATE", help="require a state")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--output", metavar="JSON", help="also write the JSON here")
-    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    cli.add_force(parser, "the --output file")
     args = parser.parse_args(argv)
-    if args.output and os.path.exists(args.output) and not args.force:
-        parser.error(f"--output {args.output} exists; pass --force to replace it")
+    files.check_output(args.output, args.force)
     with open(args.log, encoding="utf-8", errors="replace") as f:
         lines = f.read().splitlines()
     try:
         result = check(lines)
-    except patch_tool.ToolError as e:
+    except patches.ToolError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["log"] = args.log
@@ -343,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"{feature}: expected {wanted}, the log shows {state}")
     result["expectations_failed"] = failures
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=1)
+        files.atomic_write_json(args.output, result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -350,18 +350,17 @@ def line_chart(lines: list[tuple[str, list[tuple[float, float]]]], x_label: str,
     return "".join(parts)
 
 
-SWEEP_SCHEMAS = ("flash-next/sweep/2", "flash-next/sweep/1")
+SWEEP_VERSIONS = (2, 1)
 
 
 def load_sweep(folder: str) -> dict:
-    """A sweep.py results.json. Version 1 is read too, without its decode tok/s column: that was
-    a client-side rate, which a front-end delivering replies in bursts inflates (version 2 has the
-    engine's figure instead)."""
+    """A sweep.py results.json (under the schema prefix of today or a legacy one: files.schema_of).
+    Version 1 is read too, without its decode tok/s column: that was a client-side rate, which a
+    front-end delivering replies in bursts inflates (version 2 has the engine's figure instead)."""
     document = _load(os.path.join(folder, files.SWEEP_RESULTS))
-    if not document or document.get("schema") not in SWEEP_SCHEMAS:
-        raise SystemExit(
-            f"error: {folder}/{files.SWEEP_RESULTS} is missing or not a sweep.py result ({' or '.join(SWEEP_SCHEMAS)})"
-        )
+    if not document or files.schema_of(document.get("schema")) not in [("sweep", v) for v in SWEEP_VERSIONS]:
+        wanted = " or ".join(files.schema("sweep", v) for v in SWEEP_VERSIONS)
+        raise SystemExit(f"error: {folder}/{files.SWEEP_RESULTS} is missing or not a sweep.py result ({wanted})")
     document["folder"] = folder
     return document
 
@@ -402,9 +401,9 @@ def sweep_section(sweep: dict) -> list[str]:
             f"<td class=n>{_fmt(row['acceptance_length'], '.2f')}</td></tr>"
         )
     body.append("</table>")
-    if sweep["schema"] == "flash-next/sweep/1":
+    if files.schema_of(sweep["schema"]) == ("sweep", 1):
         body.append(
-            '<p class="note">This sweep was written by an older sweep.py (flash-next/sweep/1): it has no decode '
+            f'<p class="note">This sweep was written by an older sweep.py ({_e(sweep["schema"])}): it has no decode '
             "tok/s from the engine's timestamps, and its client-side decode rate is not shown (a front-end "
             "that delivers a reply in a burst inflates it). Rerun the sweep for the engine's figure.</p>"
         )

@@ -16,7 +16,7 @@ token per request over the summed decode seconds; chunks that reach the client i
 cannot shorten it), the acceptance rate (accepted / draft tokens) and length (1 + accepted /
 drafts); beside them the aggregate tok/s over the wall time. Then whether the two servers
 generated the same token ids for every prompt (they must: the target verifies every token).
-Output: JSON (schema "mtp_pruning/bench-pruned-vs-unpruned/2": settings, summary per server,
+Output: JSON (schema "magpie/bench-pruned-vs-unpruned/2": settings, summary per server,
 speed-up, identical_outputs, then the per-request records: TTFT, latency, token ids), and a
 table on stdout. Version 1 took a median of per-request rates over the first-to-last chunk
 window, which a burst collapses.
@@ -34,7 +34,7 @@ from magpie.serving.client import COMPLETIONS, stream_chat
 from magpie.serving.metrics import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS, MetricsSnapshot
 from magpie.serving.process import VllmServer
 
-SCHEMA = "mtp_pruning/bench-pruned-vs-unpruned/2"
+SCHEMA = files.schema("bench-pruned-vs-unpruned", 2)
 PROMPTS = [
     "The engineer explains the final number",
     "Write a function that sorts a list",

@@ -14,7 +14,7 @@ It prints K, the share of the vocabulary and the coverage reached on the counts;
 `--holdout COUNTS.npy` (counts of other text, not used for fitting) also the coverage there. A
 keep-set fitted on one workload covers another one poorly (an agent-fitted 99 % set covered
 ~73 % of chat); the script says so when the held-out coverage falls short. `--summary FILE`
-writes the figures as JSON (schema "mtp_pruning/build-keepset/1").
+writes the figures as JSON (schema "magpie/build-keepset/1").
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from magpie import cli, files
 from magpie.mtp_pruning.count_tokens import load_counts, read_vocab_size
 
-SCHEMA = "mtp_pruning/build-keepset/1"
+SCHEMA = files.schema("build-keepset", 1)
 # Held-out coverage this far under the fitted coverage gets a warning.
 DRIFT_WARNING = 0.02
 

@@ -5,7 +5,7 @@ Reads every result file under the folders given (bench_decode.py and gsm8k_eval.
 logs as JSONL: the formats of count_tokens.py), counts the generated tokens, and writes the
 keep-set for vLLM's `draft_vocab_path`, next to it the counts (`<output stem>.counts.npy`,
 to feed `count_tokens.py --add-to` later) and a JSON summary (`<output>.json`, schema
-"mtp_pruning/fit-keepset/1": the count summary, the keep-set figures, the self-check).
+"magpie/fit-keepset/1": the count summary, the keep-set figures, the self-check).
 
     python3 magpie fit-keepset results/ --model ~/models/Qwen3.8-Flash-Next -o keep.npy
 
@@ -41,7 +41,7 @@ from magpie.mtp_pruning.count_tokens import (
     save_counts,
 )
 
-SCHEMA = "mtp_pruning/fit-keepset/1"
+SCHEMA = files.schema("fit-keepset", 1)
 
 
 def output_paths(output: Path) -> tuple[Path, Path, Path]:

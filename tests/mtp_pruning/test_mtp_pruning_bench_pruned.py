@@ -89,7 +89,7 @@ def test_decode_speed_comes_from_the_engines_request_times(bench_run):
     first token per request over vllm:request_decode_time_seconds), never a per-request window
     that a burst of chunks can collapse; the records carry no per-request rate."""
     result = bench_run["result"]
-    assert result["schema"] == "mtp_pruning/bench-pruned-vs-unpruned/2"
+    assert result["schema"] == "magpie/bench-pruned-vs-unpruned/2"
     for run in result["summary"].values():
         rate = run["engine_decode_tok_per_s"]
         # The requests run one at a time, so their summed engine decode seconds cannot exceed the

@@ -115,7 +115,7 @@ def test_count_tokens_reads_this_projects_result_files(tmp_path, tiny_mtp_model,
     )
     assert np.array_equal(np.load(tmp_path / "c.npy"), want)
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["schema"] == "mtp_pruning/count-tokens/1"
+    assert summary["schema"] == "magpie/count-tokens/1"
     assert (summary["texts"], summary["tokens"], summary["distinct_ids"]) == (3, int(want.sum()), int((want > 0).sum()))
     assert summary["vocab_size"] == VOCAB
     assert {entry["path"].rsplit("/", 1)[-1]: entry["texts"] for entry in summary["inputs"]} == {
@@ -295,7 +295,7 @@ def test_keepset_tools_replace_their_outputs_with_force(tmp_path, tiny_mtp_model
         if path.suffix == ".npy":
             assert np.load(path).ndim == 1
         else:
-            assert json.loads(path.read_text())["schema"].startswith("mtp_pruning/")
+            assert json.loads(path.read_text())["schema"].startswith("magpie/")
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]  # the atomic writes left nothing behind
 
 
