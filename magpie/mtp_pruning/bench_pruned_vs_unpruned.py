@@ -137,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         source = [item if isinstance(item, str) else item["prompt"] for item in lines]
     prompts = [source[i % len(source)] for i in range(args.num_prompts)]
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    keepset = str(Path(args.keepset).resolve())
+    keep_set = str(Path(args.keepset).resolve())
     spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
     runs = {
         "unpruned": measure(args, "unpruned", spec, prompts),
-        "pruned": measure(args, "pruned", {**spec, "draft_vocab_path": keepset}, prompts),
+        "pruned": measure(args, "pruned", {**spec, "draft_vocab_path": keep_set}, prompts),
     }
     identical = all(
         a["token_ids"] == b["token_ids"]
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "schema": SCHEMA,
         "model": args.model,
-        "keepset": keepset,
+        "keepset": keep_set,
         "settings": {k: v for k, v in vars(args).items() if k not in ("output", "force")},
         "summary": summary,
         "decode_speedup": speedup,

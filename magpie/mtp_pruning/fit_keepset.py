@@ -25,10 +25,10 @@ from pathlib import Path
 from magpie import cli, files
 from magpie.mtp_pruning.build_keepset import (
     DRIFT_WARNING,
-    build_keepset,
+    build_keep_set,
     check_arguments,
     coverage_of,
-    save_keepset,
+    save_keep_set,
     special_ids,
 )
 from magpie.mtp_pruning.count_tokens import (
@@ -99,13 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
     specials = special_ids(tokenizer_name)
     try:
-        keep, figures = build_keepset(counts, args.coverage, specials=specials)
+        keep, figures = build_keep_set(counts, args.coverage, specials=specials)
     except ValueError as e:  # e.g. every id of the vocabulary counted: nothing to prune
         print(f"error: {e}", file=sys.stderr)
         return 1
     check = None
     if every and held_tokens and fit_tokens:
-        check_keep, check_figures = build_keepset(fit_counts, args.coverage, specials=specials)
+        check_keep, check_figures = build_keep_set(fit_counts, args.coverage, specials=specials)
         check = {
             "holdout_every": every,
             "fitted_texts": fit_texts,
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     output = Path(args.output)
     _, counts_path, summary_path = output_paths(output)
-    save_keepset(keep, str(output))
+    save_keep_set(keep, str(output))
     save_counts(counts, counts_path)
     summary = {
         "schema": SCHEMA,
