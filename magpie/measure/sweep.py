@@ -377,9 +377,9 @@ def write_results(run_dir: str, plan: dict) -> dict:
         "summary": summaries,
         "points": points,
     }
-    files.atomic_write_json(os.path.join(run_dir, "results.json"), document)
-    files.atomic_write_text(os.path.join(run_dir, "results.csv"), _csv(summaries, SUMMARY_FIELDS))
-    files.atomic_write_text(os.path.join(run_dir, "points.csv"), _csv(points, POINT_FIELDS))
+    files.atomic_write_json(os.path.join(run_dir, files.SWEEP_RESULTS), document)
+    files.atomic_write_text(os.path.join(run_dir, files.SWEEP_RESULTS_CSV), _csv(summaries, SUMMARY_FIELDS))
+    files.atomic_write_text(os.path.join(run_dir, files.SWEEP_POINTS_CSV), _csv(points, POINT_FIELDS))
     return document
 
 
@@ -450,7 +450,7 @@ def stop_server(server: ServeShServer, name: str) -> None:
 
 
 def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
-    path = os.path.join(run_dir, "sweep.json")
+    path = os.path.join(run_dir, files.SWEEP_PLAN)
     settings = {
         "output_len": args.output_len,
         "prompt_style": args.prompt_style,
