@@ -12,7 +12,8 @@ reads what the server itself printed and reports, with the line that proves it:
 - ple_mmap (n-gram table on disk): asked for (--hf-overrides on 0.29, --engram-config on 0.33),
   and whether the ple_ssd patch acknowledged it;
 - the CUDA-graph mode vLLM settled on (FULL_AND_PIECEWISE, PIECEWISE, NONE, ...), and eager mode;
-- prefix caching; the memory guard; the patch status serve.sh wrote at the top of the log;
+- prefix caching; the memory guard and the watchdog; the patch states of serve.sh's run manifest
+  (LOG.launch.json, beside the log);
 - the memory figures vLLM logged (weights, KV cache) and whether start-up completed.
 
     python3 magpie log-check server.log

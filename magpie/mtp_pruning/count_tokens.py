@@ -101,7 +101,7 @@ def items_from_json(item) -> Iterator[Generated]:
 
 
 def items_from_result_file(document: dict) -> Iterator[Generated]:
-    """Records of this project's result files (magpie/serving/*: bench-decode, gsm8k)."""
+    """Records of this project's result files (magpie/measure/: bench-decode, gsm8k)."""
     for record in document.get("records") or []:
         if not isinstance(record, dict) or record.get("ok") is False:
             continue
