@@ -124,6 +124,33 @@ def test_run_suite_sh_writes_the_files_magpie_files_names():
     assert written == set(files.RUN_FILES)
 
 
+def test_run_suite_sh_defaults_to_the_url_of_the_client_tools_and_writes_the_one_schema_prefix():
+    script = (REPO / "magpie" / "measure" / "run_suite.sh").read_text()
+    assert re.findall(r"^URL=\$\{URL:-(\S+)\}$", script, re.M) == [cli.DEFAULT_URL]
+    assert f"#   URL={cli.DEFAULT_URL} " in script  # the usage text says the same
+    assert re.findall(r'"schema": "([^"]+)"', script) == [files.schema("suite", 1)]
+
+
+@pytest.mark.parametrize(
+    "name, module", [("bench-decode", "bench_decode"), ("gsm8k", "gsm8k_eval"), ("trace-split", "trace_split")]
+)
+def test_each_json_schema_takes_its_tools_schema_string_and_the_legacy_one(name, module):
+    import importlib
+
+    import jsonschema
+
+    written = importlib.import_module(f"magpie.measure.{module}").SCHEMA
+    field = json.loads((REPO / "magpie" / "measure" / "schemas" / f"{name}.schema.json").read_text())["properties"]
+    version = files.schema_of(written)[1]
+    assert written == files.schema(name, version)
+    for value in (written, f"flash-next/{name}/{version}"):  # committed measurements carry the old prefix
+        assert files.schema_of(value) == (name, version)
+        jsonschema.validate(value, field["schema"])
+    for value in (f"magpie/{name}/{version + 1}", f"magpie/other/{version}"):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value, field["schema"])
+
+
 def test_bench_file_names_the_suites_two_concurrencies():
     assert (files.bench_file(1), files.bench_file(4), files.bench_file(8)) == (
         files.BENCH_C1,
@@ -218,10 +245,13 @@ def _tool_cases(tmp_path: Path) -> dict[str, tuple[str, list[str], Path]]:
         "bench-staging": ("magpie.ple_ssd.bench_staging", ["--dir", str(tmp_path / "t"), "--out", str(out)], out),
         "bench-draft-head": ("magpie.mtp_pruning.bench_draft_head", ["--output", str(out)], out),
         "gpu-harness": ("magpie.gpu.harness", ["summary", str(results), "--write-to", str(out)], out),
+        "log-check": ("magpie.measure.log_check", [str(tmp_path / "no-log"), "--output", str(out)], out),
     }
 
 
-@pytest.mark.parametrize("tool", ["report", "trace-split", "bench-staging", "bench-draft-head", "gpu-harness"])
+@pytest.mark.parametrize(
+    "tool", ["report", "trace-split", "bench-staging", "bench-draft-head", "gpu-harness", "log-check"]
+)
 def test_each_tool_refuses_an_existing_output_before_any_work(tmp_path, capsys, tool):
     import importlib
 
@@ -253,11 +283,13 @@ def test_gpu_harness_summary_writes_with_force(tmp_path, capsys):
         ("cluster", "magpie cluster", "a path that only the head has is never handed to a worker."),
         ("ple-warmup", "magpie ple-warmup", "python3 magpie ple-warmup"),
         ("count-tokens", "magpie count-tokens", "Exit status 1 when no token was counted."),
-        ("build-keepset", "magpie build-keepset", 'schema "mtp_pruning/build-keepset/1"'),
+        ("build-keepset", "magpie build-keepset", 'schema "magpie/build-keepset/1"'),
         ("fit-keepset", "magpie fit-keepset", "fitted on all texts."),
         ("bench-draft-head", "magpie bench-draft-head", "CutlassFP8ScaledMMLinearKernel"),
         ("bench-staging", "magpie bench-staging", "A CPU smoke run"),
         ("gpu-harness", "magpie gpu-harness", "summary --write-to"),
+        ("log-check", "magpie log-check", "--expect FEATURE=STATE` makes the exit status 1"),
+        ("demo-model", "magpie demo-model", "python3 magpie demo-model /tmp/tiny/tokenizer"),
     ],
 )
 def test_help_from_the_entry_point_is_complete(tmp_path, tool, usage, epilog_words):

@@ -22,7 +22,10 @@ import contextlib
 import json
 import os
 import random
+import sys
 from pathlib import Path
+
+from magpie import cli
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -294,20 +297,20 @@ def qwen4_exp_text_config(**overrides) -> dict:
     return config
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
+COMMAND_DOC = """Build a tiny Qwen3.5 + MTP model folder and its tokenizer here (nothing is downloaded): a
+BPE tokenizer trained on a generated corpus in TOKENIZER, the model (config.json,
+model.safetensors with the mtp.* weights, the tokenizer files) in MODEL.
 
-    parser = argparse.ArgumentParser(
-        prog="magpie demo-model",
-        description="Build a tiny Qwen3.5 + MTP model folder and its tokenizer here (nothing is downloaded): "
-        "a BPE tokenizer trained on a generated corpus in TOKENIZER, the model (config.json, "
-        "model.safetensors with the mtp.* weights, the tokenizer files) in MODEL.",
-    )
+    python3 magpie demo-model /tmp/tiny/tokenizer /tmp/tiny/model --variant increment
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser("magpie demo-model", COMMAND_DOC)
     parser.add_argument("tokenizer", help="folder for the trained tokenizer")
     parser.add_argument("model", help="folder for the model")
     parser.add_argument("--variant", default="increment", help="weights: increment (predictable) or random")
-    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--vocab-size", type=int, default=4096, help="lm_head rows (the tokenizer gets at most 4096)")
     args = parser.parse_args(argv)
     tokenizer = train_tokenizer(args.tokenizer, min(args.vocab_size, 4096))
     print("model:", build_tiny_qwen35(args.model, tokenizer, variant=args.variant, vocab_size=args.vocab_size))

@@ -21,7 +21,7 @@ Prompts: a built-in set of realistic coding and agent requests (random tokens gi
 acceptance), or `--prompts FILE`: JSONL or a JSON list, each item a string, {"prompt": str} or
 {"messages": [...]}.
 
-Output (`--output`, schema "flash-next/bench-decode/3", documented in docs/serving.md): a
+Output (`--output`, schema "magpie/bench-decode/3", documented in docs/serving.md): a
 summary first, the per-request records after; a table on stdout. A failed request is recorded
 and the run goes on. If the server dies, the results so far are written with
 "status": "server-died" and the exit code is 3 (interrupted: "interrupted", 130).
@@ -38,10 +38,10 @@ import sys
 import time
 
 from magpie import cli, files
-from magpie.serving import client as vllm_client
+from magpie.serving import client
 from magpie.serving.metrics import DECODE_TIME_COUNT, DECODE_TIME_SUM, GENERATION_TOKENS, MetricsSnapshot
 
-SCHEMA = "flash-next/bench-decode/3"
+SCHEMA = files.schema("bench-decode", 3)
 
 BUILTIN_PROMPTS = [
     "Write a Python function `merge_intervals(intervals)` that merges overlapping closed intervals given as "
@@ -123,8 +123,8 @@ def request_body(args, model: str, messages: list[dict]) -> dict:
 def finish_record(index: int, prompt_id: int, raw: dict, t0: float) -> dict:
     """The published per-request record (times relative to the start of the measured run).
 
-    TTFT, TPOT, ITL and E2E latency as `vllm bench serve` defines them (vllm_client.request_timing)."""
-    timing = vllm_client.request_timing(raw)
+    TTFT, TPOT, ITL and E2E latency as `vllm bench serve` defines them (client.request_timing)."""
+    timing = client.request_timing(raw)
     end = raw["t_end"] or raw["t_last"] or raw["t_sent"]
     return {
         "index": index,
@@ -187,11 +187,11 @@ def summarize(records: list[dict], duration: float | None, spec: dict | None, en
         "output_tokens": output_tokens,
         "duration_s": duration,
         "aggregate_output_tok_per_s": output_tokens / duration if duration else None,
-        "ttft_s": vllm_client.stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
-        "ttft_ms": vllm_client.latency_stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
-        "tpot_ms": vllm_client.latency_stats([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
-        "itl_ms": vllm_client.latency_stats([gap for r in ok for gap in r["itl_s"]]),
-        "e2el_ms": vllm_client.latency_stats([r["latency_s"] for r in ok if r["latency_s"] is not None]),
+        "ttft_s": client.stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+        "ttft_ms": client.latency_stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+        "tpot_ms": client.latency_stats([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+        "itl_ms": client.latency_stats([gap for r in ok for gap in r["itl_s"]]),
+        "e2el_ms": client.latency_stats([r["latency_s"] for r in ok if r["latency_s"] is not None]),
         "engine_decode_tok_per_s": engine.get("tok_per_s"),
         "engine_decode_seconds": engine.get("seconds"),
         "engine_decode_requests": engine.get("requests"),
@@ -282,8 +282,7 @@ def _metrics_or_none(base: str) -> MetricsSnapshot | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("magpie bench-decode", __doc__)
-    parser.add_argument("--url", default="http://127.0.0.1:8100", help="server base URL (default: %(default)s)")
-    parser.add_argument("--model", help="model name to request (default: the first one on /v1/models)")
+    cli.add_server(parser)
     parser.add_argument("-n", "--num-prompts", type=int, default=8, help="measured requests (default: %(default)s)")
     parser.add_argument("-c", "--concurrency", type=int, default=1, help="requests in flight (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens per request (default: %(default)s)")
@@ -303,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     base = args.url.rstrip("/")
     prompts, source = load_prompts(args.prompts)
 
-    if not vllm_client.server_alive(base):
+    if not client.server_alive(base):
         print(f"error: no healthy vLLM server at {base} (GET /health failed)", file=sys.stderr)
         return 2
-    model = args.model or vllm_client.served_model(base)
+    model = args.model or client.served_model(base)
     result = {
         "schema": SCHEMA,
         "tool": "bench_decode.py",
@@ -316,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "server": {
             "url": base,
             "model": model,
-            "vllm_version": vllm_client.server_version(base),
+            "vllm_version": client.server_version(base),
             "mtp": mtp_state(_metrics_or_none(base)),
         },
         "config": {
@@ -336,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     for i in range(args.warmup):
-        raw = vllm_client.stream_chat(base, request_body(args, model, prompts[i % len(prompts)]), args.timeout)
-        if not raw["ok"] and raw["server_gone"] and not vllm_client.server_alive(base):
+        raw = client.stream_chat(base, request_body(args, model, prompts[i % len(prompts)]), args.timeout)
+        if not raw["ok"] and raw["server_gone"] and not client.server_alive(base):
             print(f"error: the server died during the warm-up ({raw['error']})", file=sys.stderr)
             result["status"] = "server-died"
             result["summary"] = summarize([], None, None, None)
@@ -355,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     def make_record(index: int, raw: dict) -> dict:
         return finish_record(index, index % len(prompts), raw, t0)
 
-    records, status = vllm_client.run_requests(
+    records, status = client.run_requests(
         base,
         args.num_prompts,
         args.concurrency,

@@ -13,7 +13,7 @@ the reply. Numbers compare numerically after dropping thousands separators, `$` 
 
 The data set is identified in the output by its SHA-256 and record count; the full GSM8K test
 split has 1319 problems, and `--expect-records` makes any other count an error, so a wrong split
-or a truncated file is noticed. Output (`--output`, schema "flash-next/gsm8k/1", documented in
+or a truncated file is noticed. Output (`--output`, schema "magpie/gsm8k/1", documented in
 docs/serving.md): the summary (accuracy, truncations, tokens, throughput) first, the
 per-problem records after; a short table on stdout. Exit 3 if the server dies (partial results
 written).
@@ -30,9 +30,9 @@ import sys
 import time
 
 from magpie import cli, files
-from magpie.serving import client as vllm_client
+from magpie.serving import client
 
-SCHEMA = "flash-next/gsm8k/1"
+SCHEMA = files.schema("gsm8k", 1)
 GSM8K_TEST_RECORDS = 1319
 
 PROMPT_TEMPLATE = (
@@ -124,8 +124,7 @@ def request_body(model: str, question: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("magpie gsm8k", __doc__)
-    parser.add_argument("--url", default="http://127.0.0.1:8100", help="server base URL (default: %(default)s)")
-    parser.add_argument("--model", help="model name to request (default: the first one on /v1/models)")
+    cli.add_server(parser)
     parser.add_argument("--dataset", required=True, help="GSM8K-format JSONL or parquet file")
     parser.add_argument("--limit", type=int, help="only the first N problems (default: all)")
     parser.add_argument(
@@ -156,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         problems = problems[: args.limit]
     base = args.url.rstrip("/")
-    if not vllm_client.server_alive(base):
+    if not client.server_alive(base):
         print(f"error: no healthy vLLM server at {base} (GET /health failed)", file=sys.stderr)
         return 2
-    model = args.model or vllm_client.served_model(base)
+    model = args.model or client.served_model(base)
 
     def body(index: int) -> dict:
         return request_body(model, problems[index]["question"], args)
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return f"{len(done)}/{len(problems)} answered, {sum(r['correct'] for r in done)} correct"
 
     t0 = time.perf_counter()
-    records, status = vllm_client.run_requests(
+    records, status = client.run_requests(
         base, len(problems), args.concurrency, body, make_record, args.timeout, progress
     )
     wall = time.perf_counter() - t0
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "label": args.label,
         "status": status,
-        "server": {"url": base, "model": model, "vllm_version": vllm_client.server_version(base)},
+        "server": {"url": base, "model": model, "vllm_version": client.server_version(base)},
         "dataset": {
             "path": os.path.abspath(args.dataset),
             "sha256": digest,

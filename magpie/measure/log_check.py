@@ -12,7 +12,8 @@ reads what the server itself printed and reports, with the line that proves it:
 - ple_mmap (n-gram table on disk): asked for (--hf-overrides on 0.29, --engram-config on 0.33),
   and whether the ple_ssd patch acknowledged it;
 - the CUDA-graph mode vLLM settled on (FULL_AND_PIECEWISE, PIECEWISE, NONE, ...), and eager mode;
-- prefix caching; the memory guard; the patch status serve.sh wrote at the top of the log;
+- prefix caching; the memory guard and the watchdog; the patch states of serve.sh's run manifest
+  (LOG.launch.json, beside the log);
 - the memory figures vLLM logged (weights, KV cache) and whether start-up completed.
 
     python3 magpie log-check server.log
@@ -28,16 +29,15 @@ the log names none, or one without a series).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
 
-from magpie import patches as patch_tool
+from magpie import cli, files, patches
 from magpie.serving import manifest
 
-SCHEMA = "flash-next/log-check/1"
+SCHEMA = files.schema("log-check", 1)
 
 PATTERNS = {
     # vLLM 0.29.0, vllm/v1/engine/core.py: "Initializing a V1 LLM engine (v0.29.0) with config: ..."
@@ -86,22 +86,22 @@ def proof_patterns(lines: list[str], patches_dir: str | None = None) -> dict[str
     """{name: [regex, ...]} from the `Proof-Log:` header lines of the series for the vLLM release
     the log names (all series when it names none, or one with no series). A name several patches
     declare (ple_active: 0001's and 0002's line) has one regex per distinct pattern."""
-    root = os.path.normpath(patches_dir or patch_tool.PATCHES_DIR)
-    found = patch_tool.available_series(root)
+    root = os.path.normpath(patches_dir or patches.PATCHES_DIR)
+    found = patches.available_series(root)
     if not found:
-        raise patch_tool.ToolError(
+        raise patches.ToolError(
             f"no patch series under {root}: the lines that prove a patch active are the `Proof-Log:` "
             "lines of the patch headers; run log-check from a checkout (`python3 magpie log-check LOG`)"
         )
     version = next((m.group("version") for m in map(_VERSION.search, lines) if m), None)
-    release = patch_tool.release_of(version) if version else None
+    release = patches.release_of(version) if version else None
     folders = [found[release]] if release in found else list(found.values())
     patterns: dict[str, list[re.Pattern]] = {}
     for folder in folders:
-        for patch in patch_tool.load_series(folder):
+        for patch in patches.load_series(folder):
             for proof in patch.proof_logs:
                 if proof.name in PATTERNS:
-                    raise patch_tool.ToolError(
+                    raise patches.ToolError(
                         f"{os.path.join(folder, patch.name)}: `Proof-Log: {proof.name}` is the name of one of "
                         "vLLM's own lines in log_check's PATTERNS; name the patch's line otherwise"
                     )
@@ -110,7 +110,7 @@ def proof_patterns(lines: list[str], patches_dir: str | None = None) -> dict[str
                     known.append(proof.regex)
     missing = [name for name in PROOF_LOGS if name not in patterns and release not in found]
     if missing:
-        raise patch_tool.ToolError(
+        raise patches.ToolError(
             f"log_check reads the patch line(s) {', '.join(missing)}, which no `Proof-Log:` header line "
             f"under {root} declares"
         )
@@ -121,73 +121,98 @@ def _num(text: str) -> float:
     return float(text.replace(",", ""))
 
 
+class Matches:
+    """Where each pattern (PATTERNS and the patches' Proof-Log lines) matched in a log's lines."""
+
+    def __init__(self, lines: list[str], patches_dir: str | None = None) -> None:
+        matchers = {name: [regex] for name, regex in PATTERNS.items()}
+        matchers.update(proof_patterns(lines, patches_dir))
+        self.lines = lines
+        self.found: dict[str, list[tuple[int, re.Match]]] = {name: [] for name in (*matchers, *PROOF_LOGS)}
+        for number, line in enumerate(lines, 1):
+            for name, regexes in matchers.items():
+                match = next(filter(None, (regex.search(line) for regex in regexes)), None)
+                if match:
+                    self.found[name].append((number, match))
+
+    def first(self, name: str) -> tuple[int | None, re.Match | None]:
+        """(line number, match) of the pattern's first line; (None, None) when no line matched."""
+        return self.found[name][0] if self.found[name] else (None, None)
+
+    def evidence(self, number: int | None) -> str | None:
+        """The line that proves a state, as the output quotes it."""
+        return f"line {number}: {self.lines[number - 1].strip()[:200]}" if number else None
+
+
 def check(lines: list[str], patches_dir: str | None = None) -> dict:
-    matchers = {name: [regex] for name, regex in PATTERNS.items()}
-    matchers.update(proof_patterns(lines, patches_dir))
-    found: dict[str, list[tuple[int, re.Match]]] = {name: [] for name in (*matchers, *PROOF_LOGS)}
-    for number, line in enumerate(lines, 1):
-        for name, regexes in matchers.items():
-            match = next(filter(None, (regex.search(line) for regex in regexes)), None)
-            if match:
-                found[name].append((number, match))
+    log = Matches(lines, patches_dir)
+    _, engine = log.first("engine_config")
+    features = {"mtp": mtp_feature(log)}
+    features["draft_head"] = draft_head_feature(log, features["mtp"]["state"])
+    features["ple_mmap"] = ple_mmap_feature(log)
+    features.update(engine_config_features(log))
+    features.update(supervision_features(log))
+    return {
+        "schema": SCHEMA,
+        "vllm_version": engine.group("version") if engine else None,
+        "features": features,
+        "serve_sh": None,  # main() fills it from the run manifest (LOG.launch.json) serve.sh wrote
+        "memory": memory_figures(log),
+        "summary": describe(features),
+    }
 
-    def first(name):
-        return found[name][0] if found[name] else (None, None)
 
-    def evidence(number):
-        return f"line {number}: {lines[number - 1].strip()[:200]}" if number else None
+def mtp_feature(log: Matches) -> dict:
+    """MTP on (k tokens, or another speculative method), off, or unknown, from the engine's configuration."""
+    spec_number, spec = log.first("spec_config")
+    if spec is None:
+        return {"state": "unknown", "evidence": "no engine configuration line (did the server start?)"}
+    if spec.group("spec") is None:
+        return {"state": "off", "num_speculative_tokens": 0, "evidence": log.evidence(spec_number)}
+    method = PATTERNS["spec_method"].search(spec.group("spec"))
+    tokens = PATTERNS["spec_tokens"].search(spec.group("spec"))
+    return {
+        "state": "on" if method and method.group("method") == "mtp" else (method.group("method") if method else "on"),
+        "num_speculative_tokens": int(tokens.group("k")) if tokens else None,
+        "evidence": log.evidence(spec_number),
+    }
 
-    features: dict[str, dict] = {}
 
-    # MTP
-    number, match = first("engine_config")
-    spec_number, spec = first("spec_config")
-    if spec is not None and spec.group("spec") is not None:
-        method = PATTERNS["spec_method"].search(spec.group("spec"))
-        tokens = PATTERNS["spec_tokens"].search(spec.group("spec"))
-        features["mtp"] = {
-            "state": "on"
-            if method and method.group("method") == "mtp"
-            else (method.group("method") if method else "on"),
-            "num_speculative_tokens": int(tokens.group("k")) if tokens else None,
-            "evidence": evidence(spec_number),
-        }
-    elif spec is not None:
-        features["mtp"] = {"state": "off", "num_speculative_tokens": 0, "evidence": evidence(spec_number)}
-    else:
-        features["mtp"] = {"state": "unknown", "evidence": "no engine configuration line (did the server start?)"}
-
-    # Draft head
-    built_number, built = first("pruned_built")
-    use_number, in_use = first("pruned_in_use")
-    shared_number, _ = first("head_shared")
+def draft_head_feature(log: Matches, mtp_state: str) -> dict:
+    """The draft head: pruned to a keep-set (both of the patch's lines), built but not yet in use,
+    the target's shared, or none when MTP is off."""
+    built_number, built = log.first("pruned_built")
+    use_number, in_use = log.first("pruned_in_use")
+    shared_number, _ = log.first("head_shared")
     if built and in_use:
-        features["draft_head"] = {
+        return {
             "state": "pruned",
             "keep_ids": int(_num(built.group("keep"))),
             "vocab_size": int(_num(built.group("vocab"))),
             "keep_set": built.group("path").rstrip(",;"),
-            "evidence": [evidence(built_number), evidence(use_number)],
+            "evidence": [log.evidence(built_number), log.evidence(use_number)],
         }
-    elif built:
-        features["draft_head"] = {
+    if built:
+        return {
             "state": "pruned head built, not yet confirmed in use",
             "keep_ids": int(_num(built.group("keep"))),
-            "evidence": [evidence(built_number)],
+            "evidence": [log.evidence(built_number)],
             "note": "the second line appears at the first speculative step; send a request, then check again",
         }
-    elif features["mtp"]["state"] == "off":
-        features["draft_head"] = {"state": "none (MTP off)", "evidence": None}
-    elif shared_number:
-        features["draft_head"] = {"state": "full (shared with the target)", "evidence": evidence(shared_number)}
-    else:
-        features["draft_head"] = {"state": "unknown", "evidence": None}
+    if mtp_state == "off":
+        return {"state": "none (MTP off)", "evidence": None}
+    if shared_number:
+        return {"state": "full (shared with the target)", "evidence": log.evidence(shared_number)}
+    return {"state": "unknown", "evidence": None}
 
-    # ple_mmap
-    asked_number, asked = first("hf_overrides_ple")
-    active_number, active = first("ple_active")
-    hook_number, _ = first("ple_hook")
-    staging_number, _ = first("ple_staging")
+
+def ple_mmap_feature(log: Matches) -> dict:
+    """ple_mmap: on (a table line of the ple_ssd patch, and how its rows are read), asked for but
+    not confirmed, or off."""
+    asked_number, asked = log.first("hf_overrides_ple")
+    active_number, active = log.first("ple_active")
+    hook_number, _ = log.first("ple_hook")
+    staging_number, _ = log.first("ple_staging")
     if active is not None:
         how = active.group("how")
         if how.startswith("rows read by the GPU"):  # vLLM 0.33's Engram storage mode where ATS is reported
@@ -196,60 +221,70 @@ def check(lines: list[str], patches_dir: str | None = None) -> dict:
             rows = "staged before the forward (ple_ssd 0002; on 0.33 the Engram storage mode)"
         else:
             rows = "gathered inside the forward by a custom op (ple_ssd 0001 only; PIECEWISE graphs)"
-        features["ple_mmap"] = {
+        return {
             "state": "on",
-            "tables": len(found["ple_active"]),
+            "tables": len(log.found["ple_active"]),
             "rows": rows,
-            "evidence": [evidence(n) for n in (asked_number, hook_number, active_number, staging_number) if n],
+            "evidence": [log.evidence(n) for n in (asked_number, hook_number, active_number, staging_number) if n],
         }
-    elif (asked is not None and asked.group("on") == "True") or hook_number:
+    if (asked is not None and asked.group("on") == "True") or hook_number:
         # Asked through 0.29's hf-override, or the patch's hook line: on 0.29 the patch's own, on
         # 0.33 the resolved Engram configuration with offload_storage='mmap' (--engram-config).
-        features["ple_mmap"] = {
+        return {
             "state": "requested, not confirmed",
-            "evidence": [evidence(n) for n in (asked_number, hook_number) if n],
+            "evidence": [log.evidence(n) for n in (asked_number, hook_number) if n],
             "note": "ple_mmap was asked for, but no table line of the ple_ssd patch says the table is served "
             "from the checkpoint's mappings (not applied, or the server stopped before loading)",
         }
-    else:
-        features["ple_mmap"] = {"state": "off", "evidence": evidence(asked_number)}
+    return {"state": "off", "evidence": log.evidence(asked_number)}
 
-    # CUDA graphs, eager, prefix caching (all in the engine configuration line)
+
+def engine_config_features(log: Matches) -> dict[str, dict]:
+    """CUDA graphs, eager mode and prefix caching, all read from the engine configuration line."""
+    number, match = log.first("engine_config")
     config_text = match.group("config") if match else ""
     mode = PATTERNS["cudagraph_mode"].search(config_text)
     eager = PATTERNS["enforce_eager"].search(config_text)
     prefix = PATTERNS["prefix_caching"].search(config_text)
-    features["cudagraph_mode"] = {
-        "state": mode.group("mode") if mode else "unknown",
-        "enforce_eager": eager.group("eager") == "True" if eager else None,
-        "evidence": evidence(number),
-    }
-    features["prefix_caching"] = {
-        "state": ("on" if prefix.group("on") == "True" else "off") if prefix else "unknown",
-        "evidence": evidence(number),
-    }
-
-    # Memory guard, start-up
-    guard_number, _ = first("memguard_on")
-    stop_number, _ = first("memguard_stopped")
-    features["memguard"] = {
-        "state": "stopped the server" if stop_number else ("on" if guard_number else "off"),
-        "evidence": evidence(stop_number or guard_number),
-    }
-    watch_number, _ = first("watchdog_on")
-    stall_number, _ = first("watchdog_stalled")
-    restarts = found["serve_restart"]
-    features["watchdog"] = {
-        "state": "found a stalled engine" if stall_number else ("on" if watch_number else "off"),
-        "restarts": len(restarts),
-        "evidence": evidence(stall_number or watch_number),
-    }
-    complete_number, _ = first("startup_complete")
-    features["startup"] = {
-        "state": "complete" if complete_number else "not complete",
-        "evidence": evidence(complete_number),
+    return {
+        "cudagraph_mode": {
+            "state": mode.group("mode") if mode else "unknown",
+            "enforce_eager": eager.group("eager") == "True" if eager else None,
+            "evidence": log.evidence(number),
+        },
+        "prefix_caching": {
+            "state": ("on" if prefix.group("on") == "True" else "off") if prefix else "unknown",
+            "evidence": log.evidence(number),
+        },
     }
 
+
+def supervision_features(log: Matches) -> dict[str, dict]:
+    """The memory guard, the watchdog (and serve.sh's restarts), and whether start-up completed."""
+    guard_number, _ = log.first("memguard_on")
+    stop_number, _ = log.first("memguard_stopped")
+    watch_number, _ = log.first("watchdog_on")
+    stall_number, _ = log.first("watchdog_stalled")
+    complete_number, _ = log.first("startup_complete")
+    return {
+        "memguard": {
+            "state": "stopped the server" if stop_number else ("on" if guard_number else "off"),
+            "evidence": log.evidence(stop_number or guard_number),
+        },
+        "watchdog": {
+            "state": "found a stalled engine" if stall_number else ("on" if watch_number else "off"),
+            "restarts": len(log.found["serve_restart"]),
+            "evidence": log.evidence(stall_number or watch_number),
+        },
+        "startup": {
+            "state": "complete" if complete_number else "not complete",
+            "evidence": log.evidence(complete_number),
+        },
+    }
+
+
+def memory_figures(log: Matches) -> dict[str, float]:
+    """The memory and start-up figures vLLM logged, each from its first line."""
     memory = {}
     for name, key, group in (
         ("weights", "weights_gib", "gib"),
@@ -260,16 +295,9 @@ def check(lines: list[str], patches_dir: str | None = None) -> dict:
         ("kv_tokens", "max_concurrency", "x"),
         ("init_engine", "init_engine_s", "s"),
     ):
-        if found[name] and key not in memory:
-            memory[key] = _num(found[name][0][1].group(group))
-    return {
-        "schema": SCHEMA,
-        "vllm_version": match.group("version") if match else None,
-        "features": features,
-        "serve_sh": None,  # main() fills it from the run manifest (LOG.launch.json) serve.sh wrote
-        "memory": memory,
-        "summary": describe(features),
-    }
+        if log.found[name] and key not in memory:
+            memory[key] = _num(log.found[name][0][1].group(group))
+    return memory
 
 
 def describe(features: dict) -> str:
@@ -300,25 +328,19 @@ def matches_expectation(features: dict, feature: str, wanted: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="log_check.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie log-check", __doc__)
     parser.add_argument("log", help="the server log (serve.sh's LOG, or any vLLM server output)")
     parser.add_argument("--expect", action="append", default=[], metavar="FEATURE=STATE", help="require a state")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--output", metavar="JSON", help="also write the JSON here")
-    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+    cli.add_force(parser, "the --output file")
     args = parser.parse_args(argv)
-    if args.output and os.path.exists(args.output) and not args.force:
-        parser.error(f"--output {args.output} exists; pass --force to replace it")
+    files.check_output(args.output, args.force)
     with open(args.log, encoding="utf-8", errors="replace") as f:
         lines = f.read().splitlines()
     try:
         result = check(lines)
-    except patch_tool.ToolError as e:
+    except patches.ToolError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["log"] = args.log
@@ -343,8 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"{feature}: expected {wanted}, the log shows {state}")
     result["expectations_failed"] = failures
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=1)
+        files.atomic_write_json(args.output, result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -31,7 +31,7 @@ import time
 
 from magpie import cli, files
 from magpie.measure import trace_split
-from magpie.serving import client as vllm_client
+from magpie.serving import client
 
 WINDOWS = ("decode-c1", "prefill", "decode-c4")
 PREFILL_TEXT = (
@@ -73,7 +73,7 @@ def long_prompt(base: str, model: str, tokens: int) -> str:
     text = PREFILL_TEXT
     count = 0
     for _ in range(40):
-        count = len(vllm_client.http_post(base + "/tokenize", {"model": model, "prompt": text})["tokens"])
+        count = len(client.http_post(base + "/tokenize", {"model": model, "prompt": text})["tokens"])
         if count >= tokens:
             break
         text = text * max(2, min(8, tokens // max(count, 1)))
@@ -116,7 +116,7 @@ class Streams:
                 self.chunks += 1
 
         while not self.stop.is_set():
-            record = vllm_client.stream_chat(base, body, timeout, on_tokens=seen)
+            record = client.stream_chat(base, body, timeout, on_tokens=seen)
             self.records[i].append(record)
             if not record["ok"]:
                 return
@@ -164,20 +164,20 @@ def capture_window(name: str, args, base: str, model: str, out_dir: str) -> dict
             streams.finish(args.timeout)
             info["error"] = "the requests did not start decoding"
             return info
-        vllm_client.http_post(base + "/start_profile", {}, timeout=args.timeout)
+        client.http_post(base + "/start_profile", {}, timeout=args.timeout)
         info["steps_streamed"] = streams.wait_chunks(args.decode_steps, args.min_window_s, args.timeout)
-        vllm_client.http_post(base + "/stop_profile", {}, timeout=args.timeout)
+        client.http_post(base + "/stop_profile", {}, timeout=args.timeout)
     else:
         prompt = long_prompt(base, model, args.prefill_tokens)
-        vllm_client.http_post(base + "/start_profile", {}, timeout=args.timeout)
+        client.http_post(base + "/start_profile", {}, timeout=args.timeout)
         body = {
             "model": model,
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": 1,
             "temperature": 0.0,
         }
-        record = vllm_client.stream_chat(base, body, args.timeout)
-        vllm_client.http_post(base + "/stop_profile", {}, timeout=args.timeout)
+        record = client.stream_chat(base, body, args.timeout)
+        client.http_post(base + "/stop_profile", {}, timeout=args.timeout)
         info["prompt_tokens"] = record["prompt_tokens"]
         if not record["ok"]:
             info["error"] = f"prefill request failed: {record['error']}"
@@ -230,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {args.out} exists and is not empty; choose a new folder")
     os.makedirs(args.out, exist_ok=True)
     base = args.url.rstrip("/")
-    if not vllm_client.server_alive(base):
+    if not client.server_alive(base):
         print(f"error: no healthy vLLM server at {base}", file=sys.stderr)
         return 2
-    model = args.model or vllm_client.served_model(base)
-    max_len = json.loads(vllm_client.http_get(base + "/v1/models"))["data"][0].get("max_model_len")
+    model = args.model or client.served_model(base)
+    max_len = json.loads(client.http_get(base + "/v1/models"))["data"][0].get("max_model_len")
     if max_len:
         args.prefill_tokens = min(args.prefill_tokens, max_len - 64)
         args.decode_max_tokens = min(args.decode_max_tokens, max_len - 128)

@@ -84,7 +84,7 @@ with open("/proc/meminfo") as f:
         meminfo[key] = int(value.split()[0]) * 1024
 path, label, url, server_log = sys.argv[1:5]
 json.dump({
-    "schema": "flash-next/suite/1",
+    "schema": "magpie/suite/1",
     "label": label,
     "url": url,
     "server_log": os.path.abspath(server_log) if server_log else None,

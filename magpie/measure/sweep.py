@@ -34,7 +34,7 @@ are all done is not launched at all. A rerun may name fewer or more configuratio
 concurrencies or repeats: RUN_DIR/sweep.json keeps the union, and the results cover every run
 the folder holds. A rerun with another output length, prompt style, seed or prompts per point
 is refused (its runs would not be comparable). RUN_DIR/results.json (schema
-"flash-next/sweep/2": a summary row per configuration x input length x concurrency, pooled over
+"magpie/sweep/2": a summary row per configuration x input length x concurrency, pooled over
 repeats, then every run), results.csv (the summary rows) and points.csv (one row per run) are
 rewritten after every run. `report.py --sweep RUN_DIR` draws it. Decode tok/s is the engine's
 (vllm:request_decode_time_seconds, pooled over a point's runs), never a client-side rate: see
@@ -65,10 +65,11 @@ import urllib.request
 
 from magpie import cli, files
 from magpie.measure import bench_decode
-from magpie.serving import client as vllm_client
+from magpie.serving import client
 from magpie.serving.process import ServerDied, ServeShServer
 
-SCHEMA = "flash-next/sweep/2"
+SCHEMA = files.schema("sweep", 2)
+PLAN_SCHEMA = files.schema("sweep-plan", 1)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_ALIASES = {"mtp": "MTP", "draft_vocab": "DRAFT_VOCAB_PATH"}
 # Settings that define what a point measures: a rerun with other values would mix two sweeps.
@@ -160,18 +161,18 @@ CHAT_QUESTION = "\n\nSummarise the material above in three sentences."
 
 def _tokenize(base: str, model: str, text: str) -> list[int]:
     body = {"model": model, "prompt": text, "add_special_tokens": False}
-    return vllm_client.http_post(base + "/tokenize", body)["tokens"]
+    return client.http_post(base + "/tokenize", body)["tokens"]
 
 
 def _chat_overhead(base: str, model: str) -> int:
     """Tokens the chat template adds around one user message."""
     probe = "probe"
     body = {"model": model, "messages": [{"role": "user", "content": probe}], "add_generation_prompt": True}
-    return len(vllm_client.http_post(base + "/tokenize", body)["tokens"]) - len(_tokenize(base, model, probe))
+    return len(client.http_post(base + "/tokenize", body)["tokens"]) - len(_tokenize(base, model, probe))
 
 
 def _detokenize(base: str, model: str, tokens: list[int]) -> str:
-    return vllm_client.http_post(base + "/detokenize", {"model": model, "tokens": tokens})["prompt"]
+    return client.http_post(base + "/detokenize", {"model": model, "tokens": tokens})["prompt"]
 
 
 def make_prompts(base: str, model: str, style: str, input_len: int, count: int, seed: int) -> list[str]:
@@ -210,7 +211,7 @@ def reset_prefix_cache(base: str, attempts: int = 10) -> None:
     """POST /reset_prefix_cache until it reports success (it fails while requests hold blocks)."""
     for _ in range(attempts):
         try:
-            if vllm_client.http_post(base + "/reset_prefix_cache", {}, timeout=60).get("success"):
+            if client.http_post(base + "/reset_prefix_cache", {}, timeout=60).get("success"):
                 return
         except urllib.error.HTTPError as e:
             if e.code == 404:
@@ -325,7 +326,7 @@ def summary_row(config: str, input_len: int, concurrency: int, results: list[dic
         **latency_figures(summary, records),
         "e2el_p50_ms": _pct(summary["e2el_ms"], "p50"),
         "engine_decode_tok_s": pooled_engine_decode(results),
-        "aggregate_tok_s_median": vllm_client.percentile(aggregates, 50) if aggregates else None,
+        "aggregate_tok_s_median": client.percentile(aggregates, 50) if aggregates else None,
         "aggregate_tok_s_min": aggregates[0] if aggregates else None,
         "aggregate_tok_s_max": aggregates[-1] if aggregates else None,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
@@ -376,9 +377,9 @@ def write_results(run_dir: str, plan: dict) -> dict:
         "summary": summaries,
         "points": points,
     }
-    files.atomic_write_json(os.path.join(run_dir, "results.json"), document)
-    files.atomic_write_text(os.path.join(run_dir, "results.csv"), _csv(summaries, SUMMARY_FIELDS))
-    files.atomic_write_text(os.path.join(run_dir, "points.csv"), _csv(points, POINT_FIELDS))
+    files.atomic_write_json(os.path.join(run_dir, files.SWEEP_RESULTS), document)
+    files.atomic_write_text(os.path.join(run_dir, files.SWEEP_RESULTS_CSV), _csv(summaries, SUMMARY_FIELDS))
+    files.atomic_write_text(os.path.join(run_dir, files.SWEEP_POINTS_CSV), _csv(points, POINT_FIELDS))
     return document
 
 
@@ -449,7 +450,7 @@ def stop_server(server: ServeShServer, name: str) -> None:
 
 
 def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
-    path = os.path.join(run_dir, "sweep.json")
+    path = os.path.join(run_dir, files.SWEEP_PLAN)
     settings = {
         "output_len": args.output_len,
         "prompt_style": args.prompt_style,
@@ -457,7 +458,7 @@ def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
         "prompts_per_point": args.prompts_per_point,
     }
     plan = {
-        "schema": "flash-next/sweep-plan/1",
+        "schema": PLAN_SCHEMA,
         **settings,
         "input_lens": args.input_lens,
         "concurrency": args.concurrency,
@@ -596,18 +597,18 @@ def run_sweep(args, configs: list[dict]) -> int:
                 base = server.url
             else:
                 base = config["url"]
-                if not vllm_client.server_alive(base):
+                if not client.server_alive(base):
                     say(f"error: {config['name']}: no healthy server at {base}")
                     return 3
-            model = vllm_client.served_model(base)
-            max_len = json.loads(vllm_client.http_get(base + "/v1/models"))["data"][0].get("max_model_len")
+            model = client.served_model(base)
+            max_len = json.loads(client.http_get(base + "/v1/models"))["data"][0].get("max_model_len")
             # One unmeasured request first: the first request after a start pays one-time costs.
             warm = bench_decode.request_body(
                 argparse.Namespace(max_tokens=8, temperature=0.0, thinking=False, ignore_eos=True),
                 model,
                 [{"role": "user", "content": "warm-up"}],
             )
-            vllm_client.stream_chat(base, warm, args.timeout)
+            client.stream_chat(base, warm, args.timeout)
             for number, (input_len, concurrency, repeat) in enumerate(todo, 1):
                 where = f"{config['name']} in={input_len} c={concurrency} r={repeat}"
                 if max_len and input_len + args.output_len > max_len:

@@ -63,7 +63,7 @@ from array import array
 
 from magpie import cli, files
 
-SCHEMA = "flash-next/trace-split/1"
+SCHEMA = files.schema("trace-split", 1)
 
 # Step anchors (see the docstring).
 ENGINE_STEP_RE = re.compile(r"vllm/v1/engine/core\.py\(\d+\): _process_engine_step$")

@@ -16,7 +16,7 @@ token per request over the summed decode seconds; chunks that reach the client i
 cannot shorten it), the acceptance rate (accepted / draft tokens) and length (1 + accepted /
 drafts); beside them the aggregate tok/s over the wall time. Then whether the two servers
 generated the same token ids for every prompt (they must: the target verifies every token).
-Output: JSON (schema "mtp_pruning/bench-pruned-vs-unpruned/2": settings, summary per server,
+Output: JSON (schema "magpie/bench-pruned-vs-unpruned/2": settings, summary per server,
 speed-up, identical_outputs, then the per-request records: TTFT, latency, token ids), and a
 table on stdout. Version 1 took a median of per-request rates over the first-to-last chunk
 window, which a burst collapses.
@@ -34,7 +34,7 @@ from magpie.serving.client import COMPLETIONS, stream_chat
 from magpie.serving.metrics import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS, MetricsSnapshot
 from magpie.serving.process import VllmServer
 
-SCHEMA = "mtp_pruning/bench-pruned-vs-unpruned/2"
+SCHEMA = files.schema("bench-pruned-vs-unpruned", 2)
 PROMPTS = [
     "The engineer explains the final number",
     "Write a function that sorts a list",
@@ -137,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         source = [item if isinstance(item, str) else item["prompt"] for item in lines]
     prompts = [source[i % len(source)] for i in range(args.num_prompts)]
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    keepset = str(Path(args.keepset).resolve())
+    keep_set = str(Path(args.keepset).resolve())
     spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
     runs = {
         "unpruned": measure(args, "unpruned", spec, prompts),
-        "pruned": measure(args, "pruned", {**spec, "draft_vocab_path": keepset}, prompts),
+        "pruned": measure(args, "pruned", {**spec, "draft_vocab_path": keep_set}, prompts),
     }
     identical = all(
         a["token_ids"] == b["token_ids"]
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "schema": SCHEMA,
         "model": args.model,
-        "keepset": keepset,
+        "keepset": keep_set,
         "settings": {k: v for k, v in vars(args).items() if k not in ("output", "force")},
         "summary": summary,
         "decode_speedup": speedup,

@@ -14,7 +14,7 @@ It prints K, the share of the vocabulary and the coverage reached on the counts;
 `--holdout COUNTS.npy` (counts of other text, not used for fitting) also the coverage there. A
 keep-set fitted on one workload covers another one poorly (an agent-fitted 99 % set covered
 ~73 % of chat); the script says so when the held-out coverage falls short. `--summary FILE`
-writes the figures as JSON (schema "mtp_pruning/build-keepset/1").
+writes the figures as JSON (schema "magpie/build-keepset/1").
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from magpie import cli, files
 from magpie.mtp_pruning.count_tokens import load_counts, read_vocab_size
 
-SCHEMA = "mtp_pruning/build-keepset/1"
+SCHEMA = files.schema("build-keepset", 1)
 # Held-out coverage this far under the fitted coverage gets a warning.
 DRIFT_WARNING = 0.02
 
@@ -73,12 +73,12 @@ def special_ids(tokenizer_name: str) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def load_keepset(path: str):
+def load_keep_set(path: str):
     """A keep-set to --union, read and checked by the mtp_pruning patch's own rules, those vLLM
     applies to draft_vocab_path (magpie.serving.preflight.read_keep_ids: .pt with weights_only,
     .npy and .safetensors without unpickling; integer, 1-D, non-empty, sorted, unique,
     non-negative): a file vLLM would refuse is refused here, for the same reason. The upper bound
-    is the counts' vocabulary, checked by build_keepset."""
+    is the counts' vocabulary, checked by build_keep_set."""
     from magpie.serving import preflight
 
     try:
@@ -87,7 +87,7 @@ def load_keepset(path: str):
         raise ValueError(f"--union: {e}") from None
 
 
-def save_keepset(ids, path: str) -> None:
+def save_keep_set(ids, path: str) -> None:
     """Write the keep-set atomically: a server reading `draft_vocab_path` never sees half a file."""
     import numpy as np
 
@@ -107,7 +107,7 @@ def coverage_of(keep, counts) -> float:
     return float(counts[keep].sum() / total) if total else float("nan")
 
 
-def build_keepset(
+def build_keep_set(
     counts,
     coverage: float,
     specials: list[int] = (),
@@ -199,12 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     specials = [] if args.no_special_ids else special_ids(tokenizer)
     try:
-        keep, figures = build_keepset(
+        keep, figures = build_keep_set(
             counts,
             args.coverage,
             specials=specials,
             extra_ids=parse_id_ranges(args.extra_ids),
-            unions=[load_keepset(u) for u in args.union],
+            unions=[load_keep_set(u) for u in args.union],
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workloads and need hundreds of thousands of counted tokens: count more of the traffic "
                 "you serve, or --union a keep-set fitted on the other workload."
             )
-    save_keepset(keep, args.output)
+    save_keep_set(keep, args.output)
     figures = {"schema": SCHEMA, "output": args.output, **figures}
     lines = [
         f"keep-set {args.output}: K = {figures['keep_ids']} of {figures['vocab_size']} ids "

@@ -23,7 +23,7 @@ Inputs (files or folders, read recursively for *.jsonl, *.json, *.txt):
 `--add-to COUNTS.npy` adds to earlier counts (for example several days of traffic): counts need
 hundreds of thousands of tokens before a keep-set stops growing. It prints how many texts,
 tokens and distinct ids it counted; `--summary FILE` (or `-` for stdout) writes them as JSON
-(schema "mtp_pruning/count-tokens/1": texts, tokens, distinct_ids, vocab_size, inputs[] with
+(schema "magpie/count-tokens/1": texts, tokens, distinct_ids, vocab_size, inputs[] with
 per-file texts and tokens, added_to, output). Exit status 1 when no token was counted.
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from magpie import cli, files
 
-SCHEMA = "mtp_pruning/count-tokens/1"
+SCHEMA = files.schema("count-tokens", 1)
 ASSISTANT_ROLES = {"assistant"}
 SHAREGPT_GENERATED = {"gpt", "assistant", "model", "chatgpt", "bard", "bing"}
 TEXT_KEYS = ("text", "content", "response", "completion", "output")
@@ -101,7 +101,7 @@ def items_from_json(item) -> Iterator[Generated]:
 
 
 def items_from_result_file(document: dict) -> Iterator[Generated]:
-    """Records of this project's result files (magpie/serving/*: bench-decode, gsm8k)."""
+    """Records of this project's result files (magpie/measure/: bench-decode, gsm8k)."""
     for record in document.get("records") or []:
         if not isinstance(record, dict) or record.get("ok") is False:
             continue

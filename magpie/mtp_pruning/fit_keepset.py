@@ -5,7 +5,7 @@ Reads every result file under the folders given (bench_decode.py and gsm8k_eval.
 logs as JSONL: the formats of count_tokens.py), counts the generated tokens, and writes the
 keep-set for vLLM's `draft_vocab_path`, next to it the counts (`<output stem>.counts.npy`,
 to feed `count_tokens.py --add-to` later) and a JSON summary (`<output>.json`, schema
-"mtp_pruning/fit-keepset/1": the count summary, the keep-set figures, the self-check).
+"magpie/fit-keepset/1": the count summary, the keep-set figures, the self-check).
 
     python3 magpie fit-keepset results/ --model ~/models/Qwen3.8-Flash-Next -o keep.npy
 
@@ -25,10 +25,10 @@ from pathlib import Path
 from magpie import cli, files
 from magpie.mtp_pruning.build_keepset import (
     DRIFT_WARNING,
-    build_keepset,
+    build_keep_set,
     check_arguments,
     coverage_of,
-    save_keepset,
+    save_keep_set,
     special_ids,
 )
 from magpie.mtp_pruning.count_tokens import (
@@ -41,7 +41,7 @@ from magpie.mtp_pruning.count_tokens import (
     save_counts,
 )
 
-SCHEMA = "mtp_pruning/fit-keepset/1"
+SCHEMA = files.schema("fit-keepset", 1)
 
 
 def output_paths(output: Path) -> tuple[Path, Path, Path]:
@@ -99,13 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
     specials = special_ids(tokenizer_name)
     try:
-        keep, figures = build_keepset(counts, args.coverage, specials=specials)
+        keep, figures = build_keep_set(counts, args.coverage, specials=specials)
     except ValueError as e:  # e.g. every id of the vocabulary counted: nothing to prune
         print(f"error: {e}", file=sys.stderr)
         return 1
     check = None
     if every and held_tokens and fit_tokens:
-        check_keep, check_figures = build_keepset(fit_counts, args.coverage, specials=specials)
+        check_keep, check_figures = build_keep_set(fit_counts, args.coverage, specials=specials)
         check = {
             "holdout_every": every,
             "fitted_texts": fit_texts,
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     output = Path(args.output)
     _, counts_path, summary_path = output_paths(output)
-    save_keepset(keep, str(output))
+    save_keep_set(keep, str(output))
     save_counts(counts, counts_path)
     summary = {
         "schema": SCHEMA,

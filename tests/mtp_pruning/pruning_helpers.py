@@ -31,7 +31,7 @@ class _RunsCodeWhenLoaded:
         return (open, (self.marker, "w"))
 
 
-def write_malformed_keepsets(folder: Path, vocab_size: int) -> dict[str, tuple[Path, str]]:
+def write_malformed_keep_sets(folder: Path, vocab_size: int) -> dict[str, tuple[Path, str]]:
     """One keep-set file per rule broken: name -> (path, the fragment its refusal must contain).
 
     The "pickle" file would create `folder/CODE-RAN` if anything loaded it with unrestricted unpickling.

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from magpie.demo.overlay import vllm_env
-from magpie.mtp_pruning import bench_pruned_vs_unpruned as bench
+from magpie.mtp_pruning import bench_pruned_vs_unpruned
 from tests.serving.helpers import tool
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def test_both_servers_generate_the_increment_models_greedy_text(bench_run, token
         assert unpruned["token_ids"] == [last + i for i in range(1, MAX_TOKENS + 1)]
         assert pruned["token_ids"] == unpruned["token_ids"] and pruned["tokens"] == MAX_TOKENS
     assert bench_run["result"]["identical_outputs"] is True
-    assert [r["prompt"] for r in records["pruned"]] == bench.PROMPTS[:3]
+    assert [r["prompt"] for r in records["pruned"]] == bench_pruned_vs_unpruned.PROMPTS[:3]
 
 
 def test_acceptance_shows_the_keep_set(bench_run):
@@ -89,7 +89,7 @@ def test_decode_speed_comes_from_the_engines_request_times(bench_run):
     first token per request over vllm:request_decode_time_seconds), never a per-request window
     that a burst of chunks can collapse; the records carry no per-request rate."""
     result = bench_run["result"]
-    assert result["schema"] == "mtp_pruning/bench-pruned-vs-unpruned/2"
+    assert result["schema"] == "magpie/bench-pruned-vs-unpruned/2"
     for run in result["summary"].values():
         rate = run["engine_decode_tok_per_s"]
         # The requests run one at a time, so their summed engine decode seconds cannot exceed the

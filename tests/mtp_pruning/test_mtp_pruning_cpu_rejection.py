@@ -94,7 +94,7 @@ def test_the_proposers_only_change_is_the_head_sharing_decision(pruning_overlay)
     assert len(spans) == 1 and all(spans[0][0] <= line <= spans[0][1] for line in added)
 
 
-def test_cpu_rejection_kernels_keep_the_target_distribution_for_keepset_drafts(figures):
+def test_cpu_rejection_kernels_keep_the_target_distribution_for_keep_set_drafts(figures):
     """20,000 draws per case, tempered logits fed in: the output follows the target, not the drafts."""
     target = figures["target"]
     odd_target = sum(target[1::2])

@@ -94,7 +94,7 @@ def probes(tmp_path_factory, tiny_mtp_model, pruning_overlay):
 pytestmark = pytest.mark.slow
 
 
-def test_pruned_head_rows_are_the_checkpoint_rows_of_the_keepset(probes):
+def test_pruned_head_rows_are_the_checkpoint_rows_of_the_keep_set(probes):
     pruned = probes["tp1"]["pruned"]
     assert pruned["head_rows"] == len(probes["keep"])
     assert torch.equal(pruned["rows"], probes["head"][probes["keep"]])
@@ -105,7 +105,7 @@ def test_v2_runner_keeps_the_pruned_head(probes):
     assert pruned["own_head"] and pruned["has_own_lm_head"] is True
 
 
-def test_pruned_logits_equal_full_head_logits_on_keepset_and_minus_inf_elsewhere(probes):
+def test_pruned_logits_equal_full_head_logits_on_keep_set_and_minus_inf_elsewhere(probes):
     keep = probes["keep"]
     pruned, stock = probes["tp1"]["pruned"], probes["tp1"]["stock"]
     assert torch.equal(pruned["hidden"], stock["hidden"])
@@ -151,7 +151,7 @@ def test_tensor_parallel_2_gives_the_same_head_logits_and_tokens_as_1(probes):
     assert torch.equal(one["top"], two["top"])
 
 
-def test_both_log_lines_name_the_keepset(probes):
+def test_both_log_lines_name_the_keep_set(probes):
     text = "\n".join(probes["logs"])
     k = len(probes["keep"])
     assert f"MTP draft vocab pruned: {k} of {VOCAB} ids (33.30%), keep-set {probes['keep_path']}" in text

@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from tests.mtp_pruning.pruning_helpers import MALFORMED_CASES, write_malformed_keepsets
+from tests.mtp_pruning.pruning_helpers import MALFORMED_CASES, write_malformed_keep_sets
 
 VOCAB = 4096
 
 
 @pytest.fixture(scope="module")
 def malformed(tmp_path_factory):
-    return write_malformed_keepsets(tmp_path_factory.mktemp("malformed"), VOCAB)
+    return write_malformed_keep_sets(tmp_path_factory.mktemp("malformed"), VOCAB)
 
 
 @pytest.mark.parametrize("case", MALFORMED_CASES)
-def test_malformed_keepset_is_refused_naming_file_and_rule(draft_vocab, malformed, case):
+def test_malformed_keep_set_is_refused_naming_file_and_rule(draft_vocab, malformed, case):
     path, message = malformed[case]
     with pytest.raises(draft_vocab.DraftVocabError) as info:
         draft_vocab.load_keep_ids(str(path), VOCAB)
@@ -27,7 +27,7 @@ def test_malformed_keepset_is_refused_naming_file_and_rule(draft_vocab, malforme
     assert message in str(info.value)
 
 
-def test_pickle_keepset_runs_no_code(draft_vocab, malformed):
+def test_pickle_keep_set_runs_no_code(draft_vocab, malformed):
     path, _ = malformed["pickle"]
     marker = path.parent / "CODE-RAN"
     with pytest.raises(draft_vocab.DraftVocabError):
@@ -39,7 +39,7 @@ def test_pickle_keepset_runs_no_code(draft_vocab, malformed):
     marker.unlink()
 
 
-def test_keepset_formats_load_to_the_same_int64_ids(draft_vocab, tmp_path):
+def test_keep_set_formats_load_to_the_same_int64_ids(draft_vocab, tmp_path):
     from safetensors.torch import save_file
 
     ids = [0, 3, 17, 4095]
@@ -52,7 +52,7 @@ def test_keepset_formats_load_to_the_same_int64_ids(draft_vocab, tmp_path):
         assert loaded.dtype == torch.int64 and loaded.tolist() == ids, name
 
 
-def test_a_uint64_keepset_loads_like_int64(draft_vocab, tmp_path):
+def test_a_uint64_keep_set_loads_like_int64(draft_vocab, tmp_path):
     from safetensors.torch import save_file
 
     ids = [0, 3, 17, 4095]
@@ -64,7 +64,7 @@ def test_a_uint64_keepset_loads_like_int64(draft_vocab, tmp_path):
         assert loaded.dtype == torch.int64 and loaded.tolist() == ids, name
 
 
-def test_a_keepset_is_read_header_first_and_only_as_far_as_its_ids(draft_vocab, tmp_path):
+def test_a_keep_set_is_read_header_first_and_only_as_far_as_its_ids(draft_vocab, tmp_path):
     # A valid header followed by more bytes than it names: only the named ones are read.
     path = tmp_path / "keep.npy"
     np.save(path, np.array([2, 7], dtype=np.int64))

@@ -94,7 +94,7 @@ def runs(tmp_path_factory, tiny_mtp_model, pruning_overlay):
             runs[name] = {"outputs": generate(server, MAX_TOKENS), "metrics": spec_counters(server)}
         finally:
             server.stop()
-        runs[name].update(log=(folder / f"{name}.log").read_text(), keep=keep, keep_ids=np.load(keep))
+        runs[name].update(log=(folder / f"{name}.log").read_text(), keep=keep, keep_set=np.load(keep))
     runs["emitted"], runs["excluded"] = emitted, excluded
     return runs
 
@@ -122,21 +122,21 @@ def test_pruned_greedy_text_is_identical_to_unpruned(runs, name):
         assert pruned["text"] == unpruned["text"]
 
 
-def test_covering_keepset_keeps_acceptance(runs):
-    assert set(runs["emitted"]) <= set(runs["covering"]["keep_ids"].tolist())
-    assert len(runs["covering"]["keep_ids"]) < 4096 // 10
+def test_covering_keep_set_keeps_acceptance(runs):
+    assert set(runs["emitted"]) <= set(runs["covering"]["keep_set"].tolist())
+    assert len(runs["covering"]["keep_set"]) < 4096 // 10
     assert acceptance(runs["covering"]) >= acceptance(runs["unpruned"]) - 0.02
 
 
-def test_keepset_excluding_emitted_ids_lowers_acceptance(runs):
-    assert not runs["excluded"] & set(runs["excluding"]["keep_ids"].tolist())
+def test_keep_set_excluding_emitted_ids_lowers_acceptance(runs):
+    assert not runs["excluded"] & set(runs["excluding"]["keep_set"].tolist())
     assert acceptance(runs["excluding"]) < acceptance(runs["covering"]) - 0.15
 
 
 @pytest.mark.parametrize("name", ["covering", "excluding"])
 def test_pruned_server_logs_both_activation_lines(runs, name):
     run = runs[name]
-    k = len(run["keep_ids"])
+    k = len(run["keep_set"])
     share = f"{100 * k / 4096:.2f}%"
     assert f"MTP draft vocab pruned: {k} of 4096 ids ({share}), keep-set {run['keep']}" in run["log"]
     assert f"MTP draft vocab pruned head in use: Qwen3_5MTP.lm_head has {k} rows, not the target's 4096" in run["log"]

@@ -13,7 +13,7 @@ import pytest
 
 from magpie.demo.overlay import vllm_env
 from magpie.serving.process import VllmServer
-from tests.mtp_pruning.pruning_helpers import MALFORMED_CASES, qwen4_exp_dir, write_malformed_keepsets
+from tests.mtp_pruning.pruning_helpers import MALFORMED_CASES, qwen4_exp_dir, write_malformed_keep_sets
 
 # Builds each speculative configuration the way `vllm serve` does (EngineArgs -> VllmConfig),
 # reporting the outcome per keep-set as one JSON line.
@@ -39,8 +39,8 @@ for name, path in cases.items():
 
 @pytest.fixture(scope="module")
 def config_outcomes(tmp_path_factory, tiny_mtp_model, pruning_overlay):
-    folder = tmp_path_factory.mktemp("keepsets")
-    malformed = write_malformed_keepsets(folder, 4096)
+    folder = tmp_path_factory.mktemp("keep-sets")
+    malformed = write_malformed_keep_sets(folder, 4096)
     good = folder / "good.npy"
     import numpy as np
 
@@ -63,7 +63,7 @@ def config_outcomes(tmp_path_factory, tiny_mtp_model, pruning_overlay):
 
 
 @pytest.mark.parametrize("case", MALFORMED_CASES)
-def test_malformed_keepset_fails_config_with_its_message(config_outcomes, case):
+def test_malformed_keep_set_fails_config_with_its_message(config_outcomes, case):
     outcomes, malformed, _ = config_outcomes
     path, message = malformed[case]
     outcome = outcomes[case]
@@ -72,12 +72,12 @@ def test_malformed_keepset_fails_config_with_its_message(config_outcomes, case):
     assert message in outcome["error"]
 
 
-def test_pickle_keepset_code_never_ran_in_config(config_outcomes):
+def test_pickle_keep_set_code_never_ran_in_config(config_outcomes):
     _, _, folder = config_outcomes
     assert not (folder / "CODE-RAN").exists()
 
 
-def test_valid_keepset_passes_config_and_turns_on_local_argmax(config_outcomes):
+def test_valid_keep_set_passes_config_and_turns_on_local_argmax(config_outcomes):
     outcomes, _, folder = config_outcomes
     assert outcomes["good"]["ok"], outcomes["good"]
     assert outcomes["good"]["path"] == str(folder / "good.npy")
@@ -143,8 +143,8 @@ def test_qwen4_exp_draft_class_without_hook_is_refused_at_config(platform_outcom
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["pickle", "identity"])
-def test_server_with_bad_keepset_exits_before_any_worker(tmp_path, tiny_mtp_model, pruning_overlay, case):
-    malformed = write_malformed_keepsets(tmp_path / "keepsets", 4096)
+def test_server_with_bad_keep_set_exits_before_any_worker(tmp_path, tiny_mtp_model, pruning_overlay, case):
+    malformed = write_malformed_keep_sets(tmp_path / "keep-sets", 4096)
     path, message = malformed[case]
     spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_path": str(path)}
     server = VllmServer(

@@ -115,7 +115,7 @@ def test_count_tokens_reads_this_projects_result_files(tmp_path, tiny_mtp_model,
     )
     assert np.array_equal(np.load(tmp_path / "c.npy"), want)
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["schema"] == "mtp_pruning/count-tokens/1"
+    assert summary["schema"] == "magpie/count-tokens/1"
     assert (summary["texts"], summary["tokens"], summary["distinct_ids"]) == (3, int(want.sum()), int((want > 0).sum()))
     assert summary["vocab_size"] == VOCAB
     assert {entry["path"].rsplit("/", 1)[-1]: entry["texts"] for entry in summary["inputs"]} == {
@@ -196,7 +196,7 @@ def test_build_keepset_adds_special_extra_and_union_ids_sorted(tmp_path, counts_
     assert "+ 3 special, 4 extra, 2 union ids" in stdout
 
 
-def test_build_keepset_refuses_a_keepset_of_every_id(tmp_path, counts_file):
+def test_build_keepset_refuses_a_keep_set_of_every_id(tmp_path, counts_file):
     out = tmp_path / "keep.npy"
     status, _, err = run_script(
         "build_keepset", counts_file, "-o", out, "--no-special-ids", "--extra-ids", f"0-{VOCAB - 1}"
@@ -238,7 +238,7 @@ def test_fit_keepset_from_a_results_folder(tmp_path, tiny_mtp_model, tokenizer):
 
 
 # --------------------------------------------------------------------------- the overwrite rule
-def keepset_tool_runs(tmp_path, tiny_mtp_model, counts_file):
+def keep_set_tool_runs(tmp_path, tiny_mtp_model, counts_file):
     """tool -> (argv, the files it writes): each tool's real invocation on real inputs."""
     write_jsonl(tmp_path / "in.jsonl", [{"text": "The cat sees the red house."}])
     results = tmp_path / "results"
@@ -272,8 +272,8 @@ def keepset_tool_runs(tmp_path, tiny_mtp_model, counts_file):
 
 
 @pytest.mark.parametrize("tool", ["count_tokens", "build_keepset", "fit_keepset"])
-def test_keepset_tools_refuse_to_overwrite_each_output_without_force(tmp_path, tiny_mtp_model, counts_file, tool):
-    argv, outputs = keepset_tool_runs(tmp_path, tiny_mtp_model, counts_file)[tool]
+def test_keep_set_tools_refuse_to_overwrite_each_output_without_force(tmp_path, tiny_mtp_model, counts_file, tool):
+    argv, outputs = keep_set_tool_runs(tmp_path, tiny_mtp_model, counts_file)[tool]
     for existing in outputs:  # each output alone is enough to refuse the whole run
         existing.write_text("an earlier result")
         with pytest.raises(SystemExit) as refused:
@@ -285,8 +285,8 @@ def test_keepset_tools_refuse_to_overwrite_each_output_without_force(tmp_path, t
 
 
 @pytest.mark.parametrize("tool", ["count_tokens", "build_keepset", "fit_keepset"])
-def test_keepset_tools_replace_their_outputs_with_force(tmp_path, tiny_mtp_model, counts_file, tool):
-    argv, outputs = keepset_tool_runs(tmp_path, tiny_mtp_model, counts_file)[tool]
+def test_keep_set_tools_replace_their_outputs_with_force(tmp_path, tiny_mtp_model, counts_file, tool):
+    argv, outputs = keep_set_tool_runs(tmp_path, tiny_mtp_model, counts_file)[tool]
     for existing in outputs:
         existing.write_text("an earlier result")
     status, _, err = run_script(tool, *argv, "--force")
@@ -295,7 +295,7 @@ def test_keepset_tools_replace_their_outputs_with_force(tmp_path, tiny_mtp_model
         if path.suffix == ".npy":
             assert np.load(path).ndim == 1
         else:
-            assert json.loads(path.read_text())["schema"].startswith("mtp_pruning/")
+            assert json.loads(path.read_text())["schema"].startswith("magpie/")
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]  # the atomic writes left nothing behind
 
 
