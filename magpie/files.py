@@ -59,7 +59,12 @@ __all__ = [
 SCHEMA_PREFIX = "magpie/"
 # Prefixes of files written before the one prefix (still read: committed measurements use them),
 # each with what its names became ("gpu-harness/results/1" is "magpie/gpu-harness-results/1").
-LEGACY_SCHEMA_PREFIXES = {"flash-next/": "", "mtp_pruning/": "", "gpu-harness/": "gpu-harness-"}
+LEGACY_SCHEMA_PREFIXES = {
+    "flash-next/": "",
+    "mtp_pruning/": "",
+    "mtp-pruning/": "",
+    "gpu-harness/": "gpu-harness-",
+}
 
 
 def schema(name: str, version: int) -> str:
@@ -102,7 +107,7 @@ PROFILE_CAPTURE = "capture.json"  # profile_capture's summary of its windows, at
 
 # A sweep run folder (sweep.py's RUN_DIR)
 SWEEP_PLAN = "sweep.json"  # the plan the sweep runs (and resumes from)
-SWEEP_RESULTS = "results.json"  # every point's summary (flash-next/sweep/2)
+SWEEP_RESULTS = "results.json"  # every point's summary (magpie/sweep/2)
 SWEEP_RESULTS_CSV = "results.csv"  # the same as a table
 SWEEP_POINTS_CSV = "points.csv"  # one row per measured point
 
