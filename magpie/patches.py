@@ -11,6 +11,12 @@ patch states what it requires in its header.
     magpie/patches.py apply ple_ssd --python ~/venvs/vllm/bin/python
     magpie/patches.py revert --target ~/src/vllm
     magpie/patches.py rebase --base ~/sdist/vllm-0.29.0 --target ~/src/vllm   # onto another release
+    magpie/patches.py check-sources      # the modules the patches create match magpie/vllm_modules/
+
+The series: installed (`pip install .`), the copy the package carries (magpie/patch_series/); in
+a checkout, ../patches. Copied on its own beside a patches/ folder (or given --patches-dir), the
+file does everything but `refresh` and `check-sources`, which read the one source of each module
+the patches create (magpie/vllm_modules/ of the checkout).
 
 Everything is checked before anything changes: an apply or revert that cannot go through
 completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not).
@@ -41,7 +47,12 @@ import subprocess
 import sys
 import tempfile
 
-PATCHES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "patches")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The series an installed package carries (setup.py copies the checkout's patches/ there).
+SHIPPED_SERIES = os.path.join(_HERE, "patch_series")
+# Where the series are: installed, the shipped copy; in a checkout (or this file copied on its
+# own beside a patches/ folder), ../patches (`patches/vllm-<release>/series`).
+PATCHES_DIR = SHIPPED_SERIES if os.path.isdir(SHIPPED_SERIES) else os.path.join(_HERE, os.pardir, "patches")
 
 APPLIED = "applied"
 NOT_APPLIED = "not applied"
@@ -339,7 +350,7 @@ def extract_created(folders: list[str], output: str) -> list[str]:
 # fails when a hunk differs from what its source generates. What differs between releases sits in
 # one `# [release X.Y.Z]` ... `# [release end]` section of the source; the file a series ships keeps
 # the lines of its own release (the Target of the patch) and drops the others and the markers.
-MODULES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_modules")
+MODULES_DIR = os.path.join(_HERE, "vllm_modules")
 _RELEASE_MARK = re.compile(r"^# \[release (?P<what>\d+(?:\.\d+)*|end)\]$")
 
 
