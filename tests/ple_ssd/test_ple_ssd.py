@@ -604,16 +604,21 @@ def load_bench():
 def test_staging_benchmark_times_the_server_conditions_on_cpu(tmp_path, capsys):
     """The default suite: old beside new, one torch thread beside free; the H200 command line."""
     bench = load_bench()
-    h200 = [line for line in bench.__doc__.splitlines() if line.startswith("H200: ")]
+    h200 = [line for line in bench.__doc__.replace("\\\n", " ").splitlines() if line.startswith("H200: ")]
     assert len(h200) == 1
     command = shlex.split(h200[0].removeprefix("H200: ").replace("$OUT", "/out"))
+    before = Path(command[command.index("--before-patch") + 1])
+    assert (REPO / before).is_file(), before  # the command runs from the checkout's root
     assert command[:3] == ["python3", "magpie", "bench-staging"]
     parsed = bench.build_parser().parse_args(command[3:])  # the harness's command line is valid
     assert parsed.suite == "server" and str(parsed.out).startswith("/out/")
     out = tmp_path / "bench.json"
     argv = ["--dir", str(tmp_path / "table"), "--table-gib", "0.02", "--files", "4", "--tokens", "1,4,2048"]
     argv += ["--warm-iters", "5", "--sweep-rows", "256,4096", "--device", "cpu", "--out", str(out)]
-    assert bench.main(argv) == 0
+    with pytest.raises(SystemExit, match="give --before-patch PATH"):
+        bench.main(argv)  # the old module is no default: the suite says where to find it
+    assert not out.exists()
+    assert bench.main([*argv, "--before-patch", str(REPO / before)]) == 0
     report = json.loads(out.read_text())
     assert not report["errors"]
     assert len(report["matches_resident"]) == 2 * 3 and all(report["matches_resident"].values())
