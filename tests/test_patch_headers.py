@@ -215,3 +215,15 @@ def test_extract_refuses_a_folder_that_is_not_empty(tmp_path):
     (tmp_path / "keep.txt").write_text("x")
     proc = run_tool("extract", "--output", str(tmp_path))
     assert proc.returncode == 2 and f"--output {tmp_path} exists and is not empty" in proc.stderr
+
+
+def test_real_headers_are_short_and_keep_their_history_out():
+    """A header says what, why, what stays stock and where the docs are (patches/README.md): at most
+    18 lines of description, and no verification log or measured figure of its own."""
+    for release, patches in all_series().items():
+        for patch in patches:
+            description = patch.fields["description"].splitlines()
+            assert len(description) <= 18, (release, patch.name, len(description))
+            text = " ".join(description)
+            assert not re.search(r"\d+(\.\d+)? ms\b|\bmeasured on\b|\bwas not chosen\b", text), (release, patch.name)
+            assert "docs/" in text or "patches/README.md" in text, (release, patch.name)
