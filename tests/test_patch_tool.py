@@ -9,6 +9,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import venv
 from pathlib import Path
 
 import pytest
+
+from magpie import releases
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "magpie" / "patches.py"
@@ -235,14 +238,21 @@ def test_bad_target_and_unknown_patch_are_usage_errors(tmp_path, sdist_copy):
     assert proc.returncode == 2 and "no patch matches 'nosuch'" in proc.stderr
 
 
-def test_real_series_parses_and_lists_headers():
-    proc = subprocess.run([sys.executable, str(TOOL), "list"], capture_output=True, text=True)
+@pytest.mark.parametrize("release", releases.series_releases())
+def test_real_series_parses_and_lists_headers(release):
+    proc = subprocess.run([sys.executable, str(TOOL), "list", "--series", release], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    for line in (REPO / "patches" / "vllm-0.29.0" / "series").read_text().splitlines():
-        entry = line.split("#", 1)[0].strip()
-        if entry:
-            assert entry in proc.stdout
-            assert "target: vllm 0.29.0" in proc.stdout
+    listed = re.split(r"\n  (?=\S)", proc.stdout)[1:]  # one block per patch
+    entries = [
+        e
+        for e in (
+            ln.split("#", 1)[0].strip()
+            for ln in (REPO / "patches" / f"vllm-{release}" / "series").read_text().splitlines()
+        )
+        if e
+    ]
+    assert [block.splitlines()[0] for block in listed] == entries
+    assert all(f"target: vllm {release}" in block for block in listed)
 
 
 def test_real_series_applies_and_reverts_on_sdist_and_installed_package(sdist_copy, venv_copy):
