@@ -5,6 +5,7 @@ tests/ple_ssd, tests/mtp_pruning and tests/v0_33 run inside real vLLM trees; che
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from magpie import patches, releases
 from magpie.vllm_modules import draft_vocab, ple_mmap
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,3 +57,17 @@ def test_a_keep_set_outside_the_vocabulary_is_refused_naming_the_file(tmp_path):
     np.save(path, np.array([1, 40], dtype=np.int64))
     with pytest.raises(draft_vocab.DraftVocabError, match="keep.npy"):
         draft_vocab.load_keep_ids(str(path), vocab_size=32)
+
+
+@pytest.mark.parametrize("name, allowed", [("ple_mmap.py", {"numpy", "torch"}), ("draft_vocab.py", {"torch"})])
+@pytest.mark.parametrize("release", releases.series_releases())
+def test_each_shipped_module_imports_only_torch_numpy_and_the_standard_library(name, allowed, release):
+    """As each series ships it (numpy: a vLLM dependency): the module runs on its own, outside vLLM."""
+    text = patches.render_module((REPO / "magpie" / "vllm_modules" / name).read_text(), release)
+    roots = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    assert roots - sys.stdlib_module_names == allowed
