@@ -11,6 +11,12 @@ patch states what it requires in its header.
     magpie/patches.py apply ple_ssd --python ~/venvs/vllm/bin/python
     magpie/patches.py revert --target ~/src/vllm
     magpie/patches.py rebase --base ~/sdist/vllm-0.29.0 --target ~/src/vllm   # onto another release
+    magpie/patches.py check-sources      # the modules the patches create match magpie/vllm_modules/
+
+The series: installed (`pip install .`), the copy the package carries (magpie/patch_series/); in
+a checkout, ../patches. Copied on its own beside a patches/ folder (or given --patches-dir), the
+file does everything but `refresh` and `check-sources`, which read the one source of each module
+the patches create (magpie/vllm_modules/ of the checkout).
 
 Everything is checked before anything changes: an apply or revert that cannot go through
 completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not).
@@ -41,7 +47,12 @@ import subprocess
 import sys
 import tempfile
 
-PATCHES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "patches")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The series an installed package carries (setup.py copies the checkout's patches/ there).
+SHIPPED_SERIES = os.path.join(_HERE, "patch_series")
+# Where the series are: installed, the shipped copy; in a checkout (or this file copied on its
+# own beside a patches/ folder), ../patches (`patches/vllm-<release>/series`).
+PATCHES_DIR = SHIPPED_SERIES if os.path.isdir(SHIPPED_SERIES) else os.path.join(_HERE, os.pardir, "patches")
 
 APPLIED = "applied"
 NOT_APPLIED = "not applied"
@@ -331,6 +342,109 @@ def extract_created(folders: list[str], output: str) -> list[str]:
                 f.write(text)
             written.append(dest)
     return written
+
+
+# --------------------------------------------------------------------------- shipped modules
+# Every Python file a patch creates (a new-file hunk) has one source in the checkout, under
+# magpie/vllm_modules/ (same file name): `refresh` writes the hunks from the sources, `check-sources`
+# fails when a hunk differs from what its source generates. What differs between releases sits in
+# one `# [release X.Y.Z]` ... `# [release end]` section of the source; the file a series ships keeps
+# the lines of its own release (the Target of the patch) and drops the others and the markers.
+MODULES_DIR = os.path.join(_HERE, "vllm_modules")
+_RELEASE_MARK = re.compile(r"^# \[release (?P<what>\d+(?:\.\d+)*|end)\]$")
+
+
+def render_module(text: str, release: str, source: str = "module") -> str:
+    """`text` (a module source) as the series of vLLM `release` ships it: the lines of that
+    release's `# [release ...]` block kept, every other release's block and the markers dropped."""
+    out, block, seen = [], None, []
+    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
+        mark = _RELEASE_MARK.match(line.rstrip("\n"))
+        if not mark:
+            if block is None or block == release:
+                out.append(line)
+            continue
+        what = mark.group("what")
+        if what == "end":
+            if block is None:
+                raise ToolError(f"{source}:{lineno}: `# [release end]` without a `# [release X.Y.Z]` above it")
+            block = None
+            continue
+        if what in seen:
+            raise ToolError(f"{source}:{lineno}: a second `# [release {what}]` block; keep one per release")
+        block = what
+        seen.append(what)
+    if block is not None:
+        raise ToolError(f"{source}: the `# [release {block}]` block has no `# [release end]`")
+    if seen and release not in seen:
+        raise ToolError(
+            f"{source}: no `# [release {release}]` block (it has {', '.join(seen)}): add the lines vLLM "
+            f"{release} needs there"
+        )
+    return "".join(out)
+
+
+@dataclasses.dataclass
+class ShippedModule:
+    patch: Patch
+    patch_file: str  # the patch file holding the new-file hunk
+    path: str  # where it lands in vLLM's tree
+    source: str  # magpie/vllm_modules/<name>
+    release: str
+    shipped: str  # the text the hunk creates now
+    generated: str  # the text the source generates for `release`
+
+
+def shipped_modules(folder: str, modules_dir: str = MODULES_DIR) -> list[ShippedModule]:
+    """Every Python file the series in `folder` creates, with its source and what the source
+    generates. A created .py file without a source is an error naming the file to add."""
+    found = []
+    for patch in load_series(folder):
+        release = release_of(patch.fields["target"].split()[-1])
+        for fp in patch.files:
+            if fp.old_exists or not fp.new_exists or not fp.path.endswith(".py"):
+                continue
+            source = os.path.join(modules_dir, os.path.basename(fp.path))
+            if not os.path.isfile(source):
+                raise ToolError(
+                    f"{patch.name} creates {fp.path}, which has no source {source}: every module a patch "
+                    "creates is kept there once (copy the file there, then run `refresh`)"
+                )
+            with open(source, encoding="utf-8") as f:
+                generated = render_module(f.read(), release, os.path.relpath(source))
+            shipped = "".join(line for hunk in fp.hunks for line in hunk.new_lines)
+            patch_file = os.path.join(folder, patch.name)
+            found.append(ShippedModule(patch, patch_file, fp.path, source, release, shipped, generated))
+    return found
+
+
+def refresh_patch_text(text: str, path: str, content: str) -> str:
+    """The patch `text` with its new-file section for `path` rewritten to create `content`."""
+    header, sections = text[: text.index("diff --git ")], _sections(text)
+    first = f"diff --git a/{path} b/{path}\n"
+    hits = [i for i, section in enumerate(sections) if section.startswith(first)]
+    if len(hits) != 1:
+        raise ToolError(f"{len(hits)} diff sections for {path} (expected one)")
+    sections[hits[0]] = file_diff(path, None, content)
+    return header + "".join(sections)
+
+
+def refresh_series(folders: list[str], modules_dir: str = MODULES_DIR, write: bool = True) -> list[ShippedModule]:
+    """The shipped modules whose hunk differs from their source's text; with `write`, each such
+    patch file is rewritten from the source (nothing else in it changes)."""
+    stale = [m for folder in folders for m in shipped_modules(folder, modules_dir) if m.shipped != m.generated]
+    if write:
+        for module in stale:
+            with open(module.patch_file, encoding="utf-8") as f:
+                text = f.read()
+            _write_text(module.patch_file, refresh_patch_text(text, module.path, module.generated))
+    return stale
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 SERIES_PREFIX = "vllm-"
@@ -1455,7 +1569,7 @@ def print_table(target: Target, folder: str, patches: list[Patch], states) -> No
         print(f"  {patch.name:<{width}}  {state:<11}  {detail}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         # argparse's own choice from sys.argv[0]: "patches.py" run by path, "magpie patches" from
         # the package's entry point, "magpie-patches" as a console script.
@@ -1511,6 +1625,24 @@ def main(argv: list[str] | None = None) -> int:
         "touches it leaves it. No vLLM tree is needed: the patches' hunks build the files.",
     )
     p_extract.add_argument("--output", metavar="DIR", required=True, help="folder to write (must be new or empty)")
+    for name, help_text in (
+        ("refresh", "rewrite the new-file hunks of the series from their sources (magpie/vllm_modules/)"),
+        ("check-sources", "exit 1 when a new-file hunk differs from what its source generates"),
+    ):
+        p_sources = sub.add_parser(
+            name,
+            parents=[common],
+            help=help_text,
+            description=f"{help_text[0].upper()}{help_text[1:]}. Every Python file a patch creates is kept once, "
+            "in --modules-dir (same file name); what differs between releases sits in its `# [release X.Y.Z]` "
+            "... `# [release end]` section, and each series ships the lines of its own release. Default: every "
+            "series under --patches-dir. Needs the checkout (the sources are not installed).",
+        )
+        p_sources.add_argument(
+            "--modules-dir",
+            default=MODULES_DIR,
+            help="the folder holding one source per shipped module (default: %(default)s)",
+        )
     p_rebase = sub.add_parser(
         "rebase",
         parents=[common],
@@ -1536,112 +1668,171 @@ def main(argv: list[str] | None = None) -> int:
     p_rebase.add_argument(
         "--max-lines", type=int, default=40, metavar="N", help="lines shown per side of a conflict (0: all; default 40)"
     )
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _listed_folders(args) -> list[str]:
+    """The series folders `list`, `extract`, `refresh` and `check-sources` work on: the target's
+    (or --series') one, else every series under --patches-dir."""
+    if args.target or args.python:
+        version = find_target(args.target, args.python).version
+        return [series_dir(args.patches_dir, version, args.series)]
+    if os.path.isfile(os.path.join(args.patches_dir, "series")) or args.series:
+        return [series_dir(args.patches_dir, None, args.series)]
+    folders = list(available_series(args.patches_dir).values())
+    if not folders:
+        series_dir(args.patches_dir, None)  # raises: no series at all
+    return folders
+
+
+def command_list(args) -> int:
+    for folder in _listed_folders(args):
+        print(f"series {os.path.relpath(os.path.join(folder, 'series'))}")
+        for patch in load_series(folder):
+            print(f"  {patch.name}")
+            for key in ("description", "requires", "target", "last-update", "activation"):
+                value = ", ".join(patch.requires) if key == "requires" else patch.fields.get(key, "")
+                first = value.splitlines()[0] if value else "none"
+                print(f"      {key}: {first}")
+    return 0
+
+
+def command_extract(args) -> int:
+    for path in extract_created(_listed_folders(args), args.output):
+        print(path)
+    return 0
+
+
+def _first_difference(a: str, b: str) -> str:
+    for lineno, (x, y) in enumerate(zip(a.splitlines() + [""], b.splitlines() + [""], strict=False), 1):
+        if x != y:
+            return f"line {lineno}: the patch has {x!r}, the source gives {y!r}"
+    return "the same lines, a different ending"
+
+
+def command_check_sources(args) -> int:
+    stale = refresh_series(_listed_folders(args), args.modules_dir, write=False)
+    for m in stale:
+        print(
+            f"{os.path.relpath(m.patch_file)}: {m.path} is not what {os.path.relpath(m.source)} generates for "
+            f"vLLM {m.release} ({_first_difference(m.shipped, m.generated)}); run `magpie/patches.py refresh`",
+            file=sys.stderr,
+        )
+    if stale:
+        return 1
+    print("every module the series create is what its source generates")
+    return 0
+
+
+def command_refresh(args) -> int:
+    for m in refresh_series(_listed_folders(args), args.modules_dir):
+        print(f"refreshed {os.path.relpath(m.patch_file)}: {m.path} from {os.path.relpath(m.source)}")
+    print("every module the series create is what its source generates")
+    return 0
+
+
+def command_status(args, target: Target) -> int:
+    folder = series_dir(args.patches_dir, target.version, args.series)
+    patches = load_series(folder)
+    chosen = select(patches, args.names)
+    states = compute_states(Tree(target.root), patches)
+    if args.json:
+        record = {
+            "target": dataclasses.asdict(target),
+            "series": os.path.abspath(folder),
+            "patches": [
+                {"name": p.name, "state": states[p.name][0], "detail": states[p.name][1], "requires": p.requires}
+                for p in chosen
+            ],
+        }
+        print(json.dumps(record, indent=2))
+    else:
+        print_table(target, folder, chosen, states)
+    if any(states[p.name][0] == CONFLICTING for p in chosen):
+        return 3
+    if args.require_applied and any(states[p.name][0] != APPLIED for p in chosen):
+        return 1
+    return 0
+
+
+def command_apply(args, target: Target) -> int:
+    """`apply`, and `check` (an apply that changes nothing)."""
+    patches = load_series(series_dir(args.patches_dir, target.version, args.series))
+    chosen = select(patches, args.names)
+    tree = Tree(target.root)
+    plan = plan_apply(patches, chosen, compute_states(tree, patches), args.with_requires)
+    run_plan(tree, plan, reverse=False)
+    if args.command == "check" or args.dry_run:
+        print(f"vLLM {target.version} ({target.kind}) at {target.root}")
+        for patch in plan:
+            print(f"  would apply {patch.name}")
+        if not plan:
+            print("  nothing to apply: every selected patch is already applied")
+        return 0
+    written = tree.commit()
+    for patch in plan:
+        print(f"applied {patch.name}")
+    if not plan:
+        print("nothing to apply: every selected patch is already applied")
+    print(f"{len(written)} file(s) changed under {target.root}")
+    return 0
+
+
+def command_revert(args, target: Target) -> int:
+    patches = load_series(series_dir(args.patches_dir, target.version, args.series))
+    chosen = select(patches, args.names)
+    tree = Tree(target.root)
+    states = compute_states(tree, patches)
+    if not args.names:
+        conflicting = [p for p in patches if states[p.name][0] == CONFLICTING]
+        if conflicting:
+            # Reverting the applied ones would leave the conflicting changes in place: a tree
+            # that is neither stock nor patched, reported as a success.
+            raise Refusal(
+                f"the tree is neither stock nor patched: {conflicting[0].name} is {CONFLICTING} "
+                f"({states[conflicting[0].name][1]}), so reverting every applied patch would not "
+                "give stock vLLM back; restore the files it names (reinstall vLLM, or check the "
+                "release out again), then run `status`"
+            )
+        chosen = [p for p in patches if states[p.name][0] == APPLIED]
+    for patch in chosen:
+        if states[patch.name][0] == CONFLICTING:
+            raise Refusal(f"{patch.name} is {CONFLICTING}: {states[patch.name][1]}")
+    plan = plan_revert(patches, chosen, states, args.with_dependents)
+    run_plan(tree, plan, reverse=True)
+    if args.dry_run:
+        for patch in plan:
+            print(f"would revert {patch.name}")
+        return 0
+    written = tree.commit()
+    for patch in plan:
+        print(f"reverted {patch.name}")
+    if not plan:
+        print("nothing to revert: no selected patch is applied")
+    print(f"{len(written)} file(s) changed under {target.root}")
+    return 0
+
+
+# The sub-commands: those of the first table work on series files alone, those of the second on
+# a target (found before they run, so that a refusal can name it).
+COMMANDS = {
+    "list": command_list,
+    "extract": command_extract,
+    "refresh": command_refresh,
+    "check-sources": command_check_sources,
+    "rebase": command_rebase,
+}
+TARGET_COMMANDS = {"status": command_status, "check": command_apply, "apply": command_apply, "revert": command_revert}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    target = None
     try:
-        if args.command == "rebase":
-            return command_rebase(args)
-        if args.command in ("list", "extract"):
-            if args.target or args.python:
-                version = find_target(args.target, args.python).version
-                folders = [series_dir(args.patches_dir, version, args.series)]
-            elif os.path.isfile(os.path.join(args.patches_dir, "series")) or args.series:
-                folders = [series_dir(args.patches_dir, None, args.series)]
-            else:
-                folders = list(available_series(args.patches_dir).values())
-                if not folders:
-                    series_dir(args.patches_dir, None)  # raises: no series at all
-            if args.command == "extract":
-                for path in extract_created(folders, args.output):
-                    print(path)
-                return 0
-            for folder in folders:
-                print(f"series {os.path.relpath(os.path.join(folder, 'series'))}")
-                for patch in load_series(folder):
-                    print(f"  {patch.name}")
-                    for key in ("description", "requires", "target", "last-update", "activation"):
-                        value = ", ".join(patch.requires) if key == "requires" else patch.fields.get(key, "")
-                        first = value.splitlines()[0] if value else "none"
-                        print(f"      {key}: {first}")
-            return 0
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args)
         target = find_target(args.target, args.python)
-        folder = series_dir(args.patches_dir, target.version, args.series)
-        patches = load_series(folder)
-        chosen = select(patches, args.names)
-        tree = Tree(target.root)
-        states = compute_states(tree, patches)
-
-        if args.command == "status":
-            if args.json:
-                record = {
-                    "target": dataclasses.asdict(target),
-                    "series": os.path.abspath(folder),
-                    "patches": [
-                        {
-                            "name": p.name,
-                            "state": states[p.name][0],
-                            "detail": states[p.name][1],
-                            "requires": p.requires,
-                        }
-                        for p in chosen
-                    ],
-                }
-                print(json.dumps(record, indent=2))
-            else:
-                print_table(target, folder, chosen, states)
-            if any(states[p.name][0] == CONFLICTING for p in chosen):
-                return 3
-            if args.require_applied and any(states[p.name][0] != APPLIED for p in chosen):
-                return 1
-            return 0
-
-        if args.command in ("apply", "check"):
-            plan = plan_apply(patches, chosen, states, args.with_requires)
-            run_plan(tree, plan, reverse=False)
-            if args.command == "check" or args.dry_run:
-                print(f"vLLM {target.version} ({target.kind}) at {target.root}")
-                for patch in plan:
-                    print(f"  would apply {patch.name}")
-                if not plan:
-                    print("  nothing to apply: every selected patch is already applied")
-                return 0
-            written = tree.commit()
-            for patch in plan:
-                print(f"applied {patch.name}")
-            if not plan:
-                print("nothing to apply: every selected patch is already applied")
-            print(f"{len(written)} file(s) changed under {target.root}")
-            return 0
-
-        if args.command == "revert":
-            if not args.names:
-                conflicting = [p for p in patches if states[p.name][0] == CONFLICTING]
-                if conflicting:
-                    # Reverting the applied ones would leave the conflicting changes in place: a tree
-                    # that is neither stock nor patched, reported as a success.
-                    raise Refusal(
-                        f"the tree is neither stock nor patched: {conflicting[0].name} is {CONFLICTING} "
-                        f"({states[conflicting[0].name][1]}), so reverting every applied patch would not "
-                        "give stock vLLM back; restore the files it names (reinstall vLLM, or check the "
-                        "release out again), then run `status`"
-                    )
-                chosen = [p for p in patches if states[p.name][0] == APPLIED]
-            for patch in chosen:
-                if states[patch.name][0] == CONFLICTING:
-                    raise Refusal(f"{patch.name} is {CONFLICTING}: {states[patch.name][1]}")
-            plan = plan_revert(patches, chosen, states, args.with_dependents)
-            run_plan(tree, plan, reverse=True)
-            if args.dry_run:
-                for patch in plan:
-                    print(f"would revert {patch.name}")
-                return 0
-            written = tree.commit()
-            for patch in plan:
-                print(f"reverted {patch.name}")
-            if not plan:
-                print("nothing to revert: no selected patch is applied")
-            print(f"{len(written)} file(s) changed under {target.root}")
-            return 0
+        return TARGET_COMMANDS[args.command](args, target)
     except NoSeries as e:
         where = (
             f"--python {shlex.quote(args.python)}" if args.python else f"--target {shlex.quote(args.target or 'DIR')}"
@@ -1653,12 +1844,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Refusal as e:
         print(f"error: {e}", file=sys.stderr)
-        if args.command == "rebase":
+        if target is None:
             print("nothing was written", file=sys.stderr)
         else:
             print(f"vLLM {target.version} ({target.kind}) at {target.root}; nothing was changed", file=sys.stderr)
         return 1
-    return 2
 
 
 def run_piped(entry) -> int:

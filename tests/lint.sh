@@ -5,11 +5,14 @@
 # usage: tests/lint.sh [PART...]          PART: python, patches, shell, nix (default: all four)
 #
 #   python   ruff check and ruff format --check over every *.py file (pyproject.toml's settings)
-#   patches  the Python files the patch series create (magpie/patches.py extract: each file as
-#            each patch leaves it), linted with the ruff settings of the vLLM release the series
-#            is for: that release's own pyproject.toml, read from $VLLM_SDISTS/vllm-<release>/
-#            (default .cache/sdist, which tests/env/setup.sh fills); the files go into vLLM's
-#            tree, so they follow vLLM's rules (line length 88, its rule set), not the project's
+#   patches  the one source of each module the patch series create (magpie/vllm_modules/), as
+#            each release's series ships it (`patches.py refresh` into a scratch copy of the
+#            series, then `extract`: each file as each patch leaves it), linted with the ruff
+#            settings of that vLLM release: its own pyproject.toml, read from
+#            $VLLM_SDISTS/vllm-<release>/ (default .cache/sdist, which tests/env/setup.sh fills);
+#            the files go into vLLM's tree, so they follow vLLM's rules (line length 88, its rule
+#            set), not the project's. Then `patches.py check-sources`: the committed hunks must
+#            be what the sources generate
 #   shell    ShellCheck over every *.sh file and .ci/run
 #   nix      nixfmt --check over every *.nix file: $NIXFMT, else the nixfmt 1.4.0 kept beside
 #            the checkout (../shared/tools/nixfmt/nixfmt: nixfmt is on no registry reachable
@@ -19,7 +22,8 @@
 # Files: git's tracked files in a checkout; in a plain copy of the source (the flake's build
 # sandbox, which gets exactly the tracked files) every file outside .git, .venv and .cache.
 # Tools: $RUFF, $SHELLCHECK, $PYTHON, $NIXFMT, else the test venv's (.venv/bin), else the ones on PATH.
-# $LINT_PATCHES_DIR: the series root to lint (default: patches/).
+# $LINT_PATCHES_DIR: the series root to lint (default: patches/); $LINT_MODULES_DIR: the module
+# sources (default: magpie/vllm_modules/).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -33,6 +37,7 @@ shellcheck=${SHELLCHECK:-$(tool shellcheck)}
 python=${PYTHON:-$(tool python3)}
 sdists=${VLLM_SDISTS:-$root/.cache/sdist}
 patches_dir=${LINT_PATCHES_DIR:-$root/patches}
+modules_dir=${LINT_MODULES_DIR:-$root/magpie/vllm_modules}
 scratch=()
 cleanup() { if [ ${#scratch[@]} -gt 0 ]; then rm -rf "${scratch[@]}"; fi; }
 trap cleanup EXIT
@@ -68,7 +73,10 @@ lint_patches() {
     local out series release config patch count
     out=$(mktemp -d)
     scratch+=("$out")
-    "$python" "$root/magpie/patches.py" extract --patches-dir "$patches_dir" --output "$out/files" >/dev/null
+    # The series as the sources generate them, then every file they create.
+    cp -r "$patches_dir" "$out/series"
+    "$python" "$root/magpie/patches.py" refresh --patches-dir "$out/series" --modules-dir "$modules_dir" >/dev/null
+    "$python" "$root/magpie/patches.py" extract --patches-dir "$out/series" --output "$out/files" >/dev/null
     for series in "$out"/files/*/; do
         release=$(basename "$series")
         config="$sdists/$release/pyproject.toml"
@@ -81,9 +89,13 @@ lint_patches() {
     done
     count=$(find "$out/files" -name '*.py' | wc -l)
     echo "lint: ruff over the $count Python files the patch series create, with each vLLM release's settings"
+    echo "lint: (a finding in vllm-<release>/<patch>/<path> is in $modules_dir/<its file name>," \
+        "as that release's series ships it)"
     local failed=0
     (cd "$out/files" && "$ruff" check --no-cache .) || failed=1
     (cd "$out/files" && "$ruff" format --no-cache --check .) || failed=1
+    "$python" "$root/magpie/patches.py" check-sources --patches-dir "$patches_dir" --modules-dir "$modules_dir" ||
+        failed=1
     return "$failed"
 }
 

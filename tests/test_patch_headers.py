@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from magpie import patches as tool
+from magpie import patches
 from magpie.measure import log_check
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,8 +43,8 @@ def drop_field(field: str):
     return lambda header: "\n".join(line for line in header.split("\n") if not line.startswith(field + ":"))
 
 
-def all_series() -> dict[str, list[tool.Patch]]:
-    return {release: tool.load_series(folder) for release, folder in tool.available_series(str(PATCHES)).items()}
+def all_series() -> dict[str, list[patches.Patch]]:
+    return {release: patches.load_series(folder) for release, folder in patches.available_series(str(PATCHES)).items()}
 
 
 @pytest.mark.parametrize("field", ["Last-Update", "Proof-Log", "Target", "Requires", "Activation"])
@@ -85,13 +85,13 @@ def test_a_malformed_proof_log_is_refused(tmp_path, value, message):
 
 def test_repeated_proof_log_lines_are_each_kept():
     header = "Description: x\nProof-Log: a: one\nProof-Log: b: two (?P<n>\\d+)\nLast-Update: 2026-12-01\n"
-    proofs = tool.proof_logs(tool.parse_header(header))
+    proofs = patches.proof_logs(patches.parse_header(header))
     assert [(p.name, p.regex.pattern) for p in proofs] == [("a", "one"), ("b", r"two (?P<n>\d+)")]
 
 
 def test_every_real_patch_carries_a_date_and_at_least_one_proof_line():
-    for release, patches in all_series().items():
-        for patch in patches:
+    for release, series in all_series().items():
+        for patch in series:
             assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", patch.fields["last-update"]), (release, patch.name)
             assert patch.proof_logs, f"{release} {patch.name}: `Proof-Log: none` is for test fixtures only"
 
@@ -103,14 +103,14 @@ def test_the_0_29_series_declares_every_patch_line_log_check_reads():
 
 def test_a_header_change_changes_nothing_the_patch_applies(tmp_path):
     """The same diff under the header with and without the new fields parses to the same hunks."""
-    for folder in tool.available_series(str(PATCHES)).values():
+    for folder in patches.available_series(str(PATCHES)).values():
         for entry in (line.split("#")[0].strip() for line in Path(folder, "series").read_text().splitlines()):
             if not entry:
                 continue
             text = Path(folder, entry).read_text()
             bare = re.sub(r"^(Last-Update|Proof-Log): .*\n", "", text, flags=re.M)
             assert bare != text
-            assert tool.parse_patch(entry, bare).files == tool.parse_patch(entry, text).files
+            assert patches.parse_patch(entry, bare).files == patches.parse_patch(entry, text).files
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def test_log_check_takes_the_series_of_the_release_the_log_names(tmp_path):
     # A log that names no release is read with every series: then the broken header is an error.
     log = tmp_path / "server.log"
     log.write_text("\n".join(lines[1:]) + "\n")
-    with pytest.raises(tool.ToolError, match="the header has no `Last-Update:` field"):
+    with pytest.raises(patches.ToolError, match="the header has no `Last-Update:` field"):
         log_check.check(lines[1:], patches_dir=str(copy))
 
 
@@ -174,7 +174,7 @@ def test_extract_writes_every_new_python_file_of_every_series_as_each_patch_leav
     written = {str(Path(p).relative_to(out)) for p in proc.stdout.split()}
     assert written == {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     expected = set()
-    for release, folder in tool.available_series(str(PATCHES)).items():
+    for release, folder in patches.available_series(str(PATCHES)).items():
         created: set[str] = set()
         for entry in (line.split("#")[0].strip() for line in Path(folder, "series").read_text().splitlines()):
             if not entry:
@@ -202,7 +202,7 @@ def test_extracted_files_equal_what_apply_writes_into_the_sdist(tmp_path, releas
     proc = run_tool("apply", "--target", str(tree))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     last: dict[Path, Path] = {}
-    for patch in tool.load_series(str(PATCHES / f"vllm-{release}")):  # series order: later wins
+    for patch in patches.load_series(str(PATCHES / f"vllm-{release}")):  # series order: later wins
         for path in sorted((out / f"vllm-{release}" / patch.name.removesuffix(".patch")).rglob("*")):
             if path.is_file():
                 last[path.relative_to(out / f"vllm-{release}" / patch.name.removesuffix(".patch"))] = path
@@ -215,3 +215,15 @@ def test_extract_refuses_a_folder_that_is_not_empty(tmp_path):
     (tmp_path / "keep.txt").write_text("x")
     proc = run_tool("extract", "--output", str(tmp_path))
     assert proc.returncode == 2 and f"--output {tmp_path} exists and is not empty" in proc.stderr
+
+
+def test_real_headers_are_short_and_keep_their_history_out():
+    """A header says what, why, what stays stock and where the docs are (patches/README.md): at most
+    18 lines of description, and no verification log or measured figure of its own."""
+    for release, series in all_series().items():
+        for patch in series:
+            description = patch.fields["description"].splitlines()
+            assert len(description) <= 18, (release, patch.name, len(description))
+            text = " ".join(description)
+            assert not re.search(r"\d+(\.\d+)? ms\b|\bmeasured on\b|\bwas not chosen\b", text), (release, patch.name)
+            assert "docs/" in text or "patches/README.md" in text, (release, patch.name)

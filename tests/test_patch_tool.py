@@ -5,9 +5,11 @@ inside another git work tree. Fixture patches in tests/fixtures/patches edit rea
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +17,8 @@ import venv
 from pathlib import Path
 
 import pytest
+
+from magpie import releases
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "magpie" / "patches.py"
@@ -234,14 +238,21 @@ def test_bad_target_and_unknown_patch_are_usage_errors(tmp_path, sdist_copy):
     assert proc.returncode == 2 and "no patch matches 'nosuch'" in proc.stderr
 
 
-def test_real_series_parses_and_lists_headers():
-    proc = subprocess.run([sys.executable, str(TOOL), "list"], capture_output=True, text=True)
+@pytest.mark.parametrize("release", releases.series_releases())
+def test_real_series_parses_and_lists_headers(release):
+    proc = subprocess.run([sys.executable, str(TOOL), "list", "--series", release], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    for line in (REPO / "patches" / "vllm-0.29.0" / "series").read_text().splitlines():
-        entry = line.split("#", 1)[0].strip()
-        if entry:
-            assert entry in proc.stdout
-            assert "target: vllm 0.29.0" in proc.stdout
+    listed = re.split(r"\n  (?=\S)", proc.stdout)[1:]  # one block per patch
+    entries = [
+        e
+        for e in (
+            ln.split("#", 1)[0].strip()
+            for ln in (REPO / "patches" / f"vllm-{release}" / "series").read_text().splitlines()
+        )
+        if e
+    ]
+    assert [block.splitlines()[0] for block in listed] == entries
+    assert all(f"target: vllm {release}" in block for block in listed)
 
 
 def test_real_series_applies_and_reverts_on_sdist_and_installed_package(sdist_copy, venv_copy):
@@ -311,3 +322,119 @@ def test_a_patched_file_that_is_not_text_is_a_usage_error_naming_it(sdist_copy, 
         reason = "is not UTF-8 text" if damage == "not_utf8" else "is a directory"
         assert f"error: {spec} {reason}" in proc.stderr
     assert not (sdist_copy / "vllm/magpie_fixture.py").exists()
+
+
+# --------------------------------------------------------------------------- one source per module
+SOURCES = REPO / "magpie" / "vllm_modules"
+
+
+def load_tool():
+    sys.path.insert(0, str(REPO))
+    from magpie import patches
+
+    return patches
+
+
+def test_each_module_the_series_create_is_what_its_one_source_generates():
+    proc = subprocess.run([sys.executable, str(TOOL), "check-sources"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    patches = load_tool()
+    found = {
+        (m.release, m.path): Path(m.source).name
+        for folder in patches.available_series(str(REPO / "patches")).values()
+        for m in patches.shipped_modules(folder)
+    }
+    assert found == {
+        ("0.29.0", "vllm/models/qwen4_exp/ple_mmap.py"): "ple_mmap.py",
+        ("0.29.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
+        ("0.33.0", "vllm/models/qwen4_exp/common/ple_mmap.py"): "ple_mmap.py",
+        ("0.33.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
+    }
+
+
+def test_the_releases_differ_only_in_the_module_s_release_section():
+    """The 0.29.0 and 0.33.0 ple_mmap.py differ in the lines of their `# [release ...]` blocks and
+    nowhere else; draft_vocab.py has no such section and ships the same in both."""
+    patches = load_tool()
+    text = (SOURCES / "ple_mmap.py").read_text()
+    old, new = (patches.render_module(text, release).splitlines() for release in ("0.29.0", "0.33.0"))
+    differing = [line for line in difflib.ndiff(old, new) if line[:1] in "+-"]
+    assert sorted(differing) == sorted(
+        [
+            '- LOG_NAME = "ple_mmap"',
+            '- SWITCH = "ple_mmap"',
+            '- WITHOUT_IT = "drop ple_mmap"',
+            '- THREAD_PREFIX = "ple_mmap"',
+            '+ LOG_NAME = "engram mmap"',
+            "+ SWITCH = \"Engram offload_storage='mmap'\"",
+            "+ WITHOUT_IT = \"use Engram offload_storage='pinned'\"",
+            '+ THREAD_PREFIX = "engram_mmap"',
+        ]
+    )
+    assert "# [release" not in "\n".join(old + new)
+    vocab = (SOURCES / "draft_vocab.py").read_text()
+    assert patches.render_module(vocab, "0.29.0") == patches.render_module(vocab, "0.33.0") == vocab
+
+
+def test_a_release_section_is_checked_when_a_module_is_generated():
+    patches = load_tool()
+    text = "a = 1\n# [release 0.29.0]\nb = 2\n# [release 0.33.0]\nb = 3\n# [release end]\nc = 4\n"
+    assert patches.render_module(text, "0.29.0") == "a = 1\nb = 2\nc = 4\n"
+    assert patches.render_module(text, "0.33.0") == "a = 1\nb = 3\nc = 4\n"
+    with pytest.raises(patches.ToolError, match=r"m.py: no `# \[release 0.31.0\]` block \(it has 0.29.0, 0.33.0\)"):
+        patches.render_module(text, "0.31.0", "m.py")
+    with pytest.raises(patches.ToolError, match="has no `# \\[release end\\]`"):
+        patches.render_module("# [release 0.29.0]\nb = 2\n", "0.29.0", "m.py")
+    with pytest.raises(patches.ToolError, match="m.py:1: `# \\[release end\\]` without"):
+        patches.render_module("# [release end]\n", "0.29.0", "m.py")
+
+
+def test_refresh_writes_a_changed_source_into_the_patches_and_the_series_still_applies(tmp_path, sdist_copy):
+    """A fix made once, in the source: refresh carries it into the patch of every series that ships
+    the module, check-sources passes, and the 0.29.0 series applies it to a real tree."""
+    series, sources = tmp_path / "patches", tmp_path / "vllm_modules"
+    shutil.copytree(REPO / "patches", series)
+    shutil.copytree(SOURCES, sources, ignore=shutil.ignore_patterns("__pycache__"))
+    source = sources / "ple_mmap.py"
+    text = source.read_text()
+    anchor = "MADV_RANDOM = 1  # <sys/mman.h> on Linux\n"
+    assert text.count(anchor) == 1
+    source.write_text(text.replace(anchor, anchor + "SEEDED_FIX = True\n"))
+    check = [sys.executable, str(TOOL), "check-sources", "--patches-dir", str(series), "--modules-dir", str(sources)]
+    stale = subprocess.run(check, capture_output=True, text=True)
+    assert stale.returncode == 1
+    assert stale.stderr.count("is not what") == 2 and "'SEEDED_FIX = True'" in stale.stderr, stale.stderr
+    refresh = [sys.executable, str(TOOL), "refresh", "--patches-dir", str(series), "--modules-dir", str(sources)]
+    proc = subprocess.run(refresh, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("refreshed ") == 2, proc.stdout
+    assert subprocess.run(check, capture_output=True, text=True).returncode == 0
+    assert run_tool("apply", "--target", str(sdist_copy), patches_dir=series).returncode == 0
+    shipped = (sdist_copy / "vllm" / "models" / "qwen4_exp" / "ple_mmap.py").read_text()
+    assert "SEEDED_FIX = True\n" in shipped and 'LOG_NAME = "ple_mmap"\n' in shipped
+    assert "engram" not in shipped.split('"""', 2)[2].split("class ")[0]  # 0.33's lines left out
+
+
+def test_a_created_module_without_a_source_is_named_with_the_fix(tmp_path):
+    """The fixture series creates vllm/magpie_fixture.py, which has no source under the sources."""
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "check-sources", "--patches-dir", str(FIXTURES)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "creates vllm/magpie_fixture.py, which has no source" in proc.stderr, proc.stderr
+
+
+def test_the_tool_copied_on_its_own_reports_states(tmp_path, sdist_copy):
+    """patches.py alone beside a patches/ folder (no magpie package): status still works."""
+    alone = tmp_path / "alone"
+    (alone / "tools").mkdir(parents=True)
+    shutil.copy(TOOL, alone / "tools" / "patches.py")
+    shutil.copytree(REPO / "patches", alone / "patches")
+    proc = subprocess.run(
+        [sys.executable, "-I", str(alone / "tools" / "patches.py"), "status", "--json", "--target", str(sdist_copy)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["series"] == str(alone / "patches" / "vllm-0.29.0")

@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
-PATCH_TOOL = REPO / "magpie" / "patches.py"
+# The patch tool beside this package (a checkout's, or the installed one with its series).
+PATCH_TOOL = Path(__file__).resolve().parent.parent / "patches.py"
 
 
 def installed_vllm_dir() -> Path:

@@ -57,7 +57,7 @@ shipped. Needs only torch (2.11 tested) and a CUDA GPU with fp8 (sm_89+).
 
 H200: python3 magpie bench-draft-head --output $OUT/draft-head-4paths-h200.json
 
-Output: JSON (schema "mtp_pruning/bench-draft-head/2": device, settings, `summary` (the four
+Output: JSON (schema "magpie/bench-draft-head/2": device, settings, `summary` (the four
 paths per keep-set size and batch: ms per step and the ratios between them), then one record
 per path, rows and batch: median ms per step over trials, eager ms, GB read, fraction of the
 bandwidth roofline, speed-up over the full bf16 head, the GB10 roofline projection), then two
@@ -72,11 +72,10 @@ import sys
 import time
 from pathlib import Path
 
-from magpie import cli, files
+from magpie import cli, files, patches
 
-SCHEMA = "mtp_pruning/bench-draft-head/2"
-REPO = Path(__file__).resolve().parent.parent.parent
-PATCH = REPO / "patches" / "vllm-0.29.0" / "mtp_pruning" / "0001-draft-vocab-pruning.patch"
+SCHEMA = files.schema("bench-draft-head", 2)
+PATCH = Path(patches.PATCHES_DIR).resolve() / "vllm-0.29.0" / "mtp_pruning" / "0001-draft-vocab-pruning.patch"
 MODULE_PATH = "vllm/v1/spec_decode/draft_vocab.py"
 PAD = 64  # DEFAULT_VOCAB_PADDING_SIZE of vLLM's ParallelLMHead
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -104,8 +103,6 @@ FOUR_PATHS = (
 
 def load_module_from_patch(patch: Path, path: str = MODULE_PATH):
     """The new file that a patch adds, imported as a module (the patch tool's own parser)."""
-    from magpie import patches
-
     return patches.load_new_module(patch, path, "draft_vocab")
 
 

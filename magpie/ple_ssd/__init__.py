@@ -1,1 +1,1 @@
-"""Tools of the ple_ssd optimization: the staging benchmark (and its baseline patch)."""
+"""Tools of the ple_ssd optimization: the staging benchmark."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Per-step cost of serving the Qwen4Exp n-gram (PLE) table from disk, in a serving vLLM's conditions.
 
-H200: python3 magpie bench-staging --dir /var/tmp/ple-bench --table-gib 8 --out $OUT/ple-staging-h200.json
+H200: python3 magpie bench-staging --dir /var/tmp/ple-bench --table-gib 8 \\
+    --before-patch measurements/ple_ssd/0001-ple-mmap-table.before-issue-14.patch --out $OUT/ple-staging-h200.json
 
 Writes a table with the real row width (160 bf16 = 320 B) as 128 `shard_<i>` tensors in
 safetensors files, opens them the way vLLM's default loader does (zero-copy mmaps), and times
@@ -9,7 +10,9 @@ staging one step's rows for decode steps (1 token; 4 = c=1 with MTP k=3; 16 = c=
 c=8, k=3) and a prefill chunk (2048 tokens), 16 hashed heads per token. The code under test is
 the module that patch 0001 adds to vLLM, read from the patch file itself (so the benchmark
 needs only torch, numpy and safetensors), beside the same module as it was before issue 14
-(`baseline/0001-ple-mmap-table.before-issue-14.patch`), in one run:
+(`--before-patch`: the checkout keeps that patch with the measurements it was timed for,
+`measurements/ple_ssd/0001-ple-mmap-table.before-issue-14.patch`; the package does not ship
+it), in one run:
 
 `--suite server` (the default) times the conditions a serving vLLM worker runs in, warm (every
 page of the table cached and mapped first):
@@ -68,11 +71,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from magpie import cli, files
+from magpie import cli, files, patches
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_PATCH = REPO / "patches" / "vllm-0.29.0" / "ple_ssd" / "0001-ple-mmap-table.patch"
-BEFORE_PATCH = Path(__file__).resolve().parent / "baseline" / "0001-ple-mmap-table.before-issue-14.patch"
+DEFAULT_PATCH = Path(patches.PATCHES_DIR).resolve() / "vllm-0.29.0" / "ple_ssd" / "0001-ple-mmap-table.patch"
 MODULE_PATH = "vllm/models/qwen4_exp/ple_mmap.py"
 ROW_WIDTH = 160
 NGRAM_SIZE, HEADS_PER_NGRAM = 3, 8
@@ -85,8 +86,6 @@ STEPS = {1: (1, 1), 4: (1, 4), 16: (4, 4), 32: (8, 4), 2048: (1, 2048)}
 
 def load_module_from_patch(patch: Path, path: str = MODULE_PATH, name: str = "ple_mmap"):
     """The new file that a patch adds, imported as a module (the patch tool's own parser)."""
-    from magpie import patches
-
     return patches.load_new_module(patch, path, name)
 
 
@@ -364,26 +363,51 @@ def scoped_index_select(rows_at: torch.Tensor, out: torch.Tensor, threads: int, 
 def run_server(args, ctx: dict, results: dict, save) -> None:
     """Issue 14's server conditions: one torch thread beside the free count (item 1), the
     GPU idle beside busy (item 5), the code before issue 14 beside the current one."""
-    device, shards, hasher, resident = ctx["device"], ctx["shards"], ctx["hasher"], ctx["resident"]
-    token_sizes, max_tokens = ctx["token_sizes"], max(ctx["token_sizes"])
-    free_threads = torch.get_num_threads()
-    conditions = {SERVER: 1, FREE: free_threads}
-    results["environment"]["torch_threads_free"] = free_threads
+    run = ServerRun(args, ctx, results)
+    run.check_against_resident()
+    run.time_thread_conditions(save)
+    run.time_gpu_states(save)
+    run.check_staging()
 
-    def build(module, **settings):
-        with torch.device(device):
+
+class ServerRun:
+    """The parts of the server suite, over one pair of tables (the module before issue 14 and
+    the current one) built over the same mapped shards."""
+
+    def __init__(self, args, ctx: dict, results: dict):
+        self.args, self.ctx, self.results = args, ctx, results
+        self.device, self.hasher = ctx["device"], ctx["hasher"]
+        self.token_sizes = ctx["token_sizes"]
+        free_threads = torch.get_num_threads()
+        self.conditions = {SERVER: 1, FREE: free_threads}
+        results["environment"]["torch_threads_free"] = free_threads
+        self.new = self.build(ctx["new"])
+        self.old = self.build(ctx["old"], num_threads=args.pool_threads)
+        # Warm: every page of the table cached and mapped, as after a server's first requests.
+        cache = CacheControl(ctx["shards"], ctx["paths"], ctx["new"])
+        cache.touch_all()
+        results["environment"]["resident_fraction_warm"] = cache.resident_fraction()
+        results["environment"]["table"] = self.new.describe()
+        results["environment"]["old_table"] = self.old.describe()
+        self.rng = random.Random(11)
+        self.np_rng = np.random.default_rng(11)
+        self.stages = {"old_stage": self.old_stage, "new_stage": self.new_stage}
+
+    def build(self, module, **settings):
+        ctx = self.ctx
+        with torch.device(self.device):
             table = module.MmapNGramTable(
                 num_rows=ctx["num_rows"],
                 row_width=ROW_WIDTH,
                 dtype=torch.bfloat16,
-                num_shards=len(shards),
-                max_tokens=max_tokens,
+                num_shards=len(ctx["shards"]),
+                max_tokens=max(self.token_sizes),
                 heads=HEADS,
-                hasher=hasher,
+                hasher=self.hasher,
                 static_output=True,
                 **settings,
             )
-        for index, shard in shards.items():
+        for index, shard in ctx["shards"].items():
             table.add_shard(index, shard)
         if module is ctx["new"]:
             table.finish_loading(release=False)  # the bench's files hold nothing else
@@ -391,52 +415,25 @@ def run_server(args, ctx: dict, results: dict, save) -> None:
             table.finish_loading()
         return table
 
-    new = build(ctx["new"])
-    old = build(ctx["old"], num_threads=args.pool_threads)
-    # Warm: every page of the table cached and mapped, as after a server's first requests.
-    cache = CacheControl(shards, ctx["paths"], ctx["new"])
-    cache.touch_all()
-    results["environment"]["resident_fraction_warm"] = cache.resident_fraction()
-    results["environment"]["table"] = new.describe()
-    results["environment"]["old_table"] = old.describe()
-    rng = random.Random(11)
-    np_rng = np.random.default_rng(11)
-
-    def inputs(tokens):
-        host = make_step(rng, tokens)
-        dev = tuple(t.to(device) for t in host)
-        sync(device)
+    def inputs(self, tokens: int):
+        host = make_step(self.rng, tokens)
+        dev = tuple(t.to(self.device) for t in host)
+        sync(self.device)
         return host, dev
 
-    def new_stage(host, dev):
+    def new_stage(self, host, dev) -> None:
         # As Qwen4ExpModelState.prepare_inputs calls it: query_start_loc from the host copy.
-        new.stage(*dev, query_start_loc_host=host[1].numpy())
-        new.check_staged_host()  # the forward's read, host side
+        self.new.stage(*dev, query_start_loc_host=host[1].numpy())
+        self.new.check_staged_host()  # the forward's read, host side
 
-    def old_stage(host, dev):
-        old.stage(*dev)
+    def old_stage(self, host, dev) -> None:
+        self.old.stage(*dev)
 
-    stages = {"old_stage": old_stage, "new_stage": new_stage}
-
-    # Correctness: both stages against the resident table.
-    checks = {}
-    for tokens in token_sizes:
-        host, dev = inputs(tokens)
-        want = torch.nn.functional.embedding(hasher.ids_tensor(*dev), resident).reshape(tokens, -1)
-        for name, fn in stages.items():
-            fn(host, dev)
-            table = new if name == "new_stage" else old
-            checks[f"{name}/{tokens}"] = bool(
-                torch.equal(table.staged(tokens).view(torch.int16), want.view(torch.int16))
-            )
-    results["matches_resident"] = checks
-    print("matches resident:", checks, file=sys.stderr, flush=True)
-
-    def record(section, method, condition, size, walls, cpus=None):
+    def record(self, section, method, condition, size, walls, cpus=None) -> None:
         entry = {"key": [section, method, condition, str(size)], "times_ms": walls}
         if cpus is not None:
             entry["cpu_ms"] = cpus
-        results["records"].append(entry)
+        self.results["records"].append(entry)
         print(
             f"{section:6s} {method:22s} {condition:14s} {size:>6} median {statistics.median(walls):8.3f} ms"
             + (f"  cpu {statistics.median(cpus):8.3f} ms" if cpus else "")
@@ -445,72 +442,102 @@ def run_server(args, ctx: dict, results: dict, save) -> None:
             flush=True,
         )
 
-    def iterations(size):
-        return max(5, args.warm_iters // 4) if size >= 1024 else args.warm_iters
+    def iterations(self, size: int) -> int:
+        return max(5, self.args.warm_iters // 4) if size >= 1024 else self.args.warm_iters
 
-    # Item 1: torch threads 1 (vLLM after warm-up) beside the free count; old beside new.
-    for condition, threads in conditions.items():
-        torch.set_num_threads(threads)
-        for tokens in token_sizes:
-            for name, fn in stages.items():
+    def check_against_resident(self) -> None:
+        """Correctness first: both stages against the resident table."""
+        checks = {}
+        for tokens in self.token_sizes:
+            host, dev = self.inputs(tokens)
+            want = torch.nn.functional.embedding(self.hasher.ids_tensor(*dev), self.ctx["resident"])
+            want = want.reshape(tokens, -1)
+            for name, fn in self.stages.items():
+                fn(host, dev)
+                table = self.new if name == "new_stage" else self.old
+                checks[f"{name}/{tokens}"] = bool(
+                    torch.equal(table.staged(tokens).view(torch.int16), want.view(torch.int16))
+                )
+        self.results["matches_resident"] = checks
+        print("matches resident:", checks, file=sys.stderr, flush=True)
+
+    def time_thread_conditions(self, save) -> None:
+        """Item 1: torch threads 1 (vLLM after warm-up) beside the free count; old beside new."""
+        for condition, threads in self.conditions.items():
+            torch.set_num_threads(threads)
+            self.time_stages(condition)
+            self.time_gathers(condition)
+            save()
+        torch.set_num_threads(1)
+
+    def time_stages(self, condition: str) -> None:
+        for tokens in self.token_sizes:
+            for name, fn in self.stages.items():
                 walls = []
-                for index in range(iterations(tokens) + 3):
-                    host, dev = inputs(tokens)
-                    wall, _ = time_one(lambda fn=fn, host=host, dev=dev: fn(host, dev), device, False)
+                for index in range(self.iterations(tokens) + 3):
+                    host, dev = self.inputs(tokens)
+                    wall, _ = time_one(lambda fn=fn, host=host, dev=dev: fn(host, dev), self.device, False)
                     if index >= 3:
                         walls.append(wall)
-                record("stage", name, condition, tokens, walls)
-        for rows in args.sweep_rows:
-            offsets_of = functools.partial(np_rng.integers, 0, ctx["num_rows"], rows, dtype=np.int64)
-            gathers = {
-                # What the old code did above 256 rows (and for a prefill chunk's unique rows):
-                # one torch.index_select over the byte view, parallel only through torch's threads.
-                "old_index_select": lambda offs: torch.index_select(
-                    old.rows_at, 0, torch.from_numpy(offs), out=old.host_rows[: offs.size]
-                ),
-                "new_calling_thread": lambda offs: new._copy_rows(offs, 0, offs.size, new.host_rows_np),
-                "new_gather": lambda offs: new.gather_offsets(offs, new.host_rows_np),
-            }
-            if condition == SERVER:
-                # Issue 18 item 3: torch's own threads for the one index_select only, the server's
-                # single thread restored after it (the switch is inside the timed call).
-                for scoped in args.scoped_threads:
-                    gathers[f"index_select_scoped_{scoped}t"] = functools.partial(
-                        scoped_index_select, old.rows_at, old.host_rows, scoped
-                    )
-            for name, fn in gathers.items():
+                self.record("stage", name, condition, tokens, walls)
+
+    def gathers(self, condition: str) -> dict:
+        old, new = self.old, self.new
+        gathers = {
+            # What the old code did above 256 rows (and for a prefill chunk's unique rows):
+            # one torch.index_select over the byte view, parallel only through torch's threads.
+            "old_index_select": lambda offs: torch.index_select(
+                old.rows_at, 0, torch.from_numpy(offs), out=old.host_rows[: offs.size]
+            ),
+            "new_calling_thread": lambda offs: new._copy_rows(offs, 0, offs.size, new.host_rows_np),
+            "new_gather": lambda offs: new.gather_offsets(offs, new.host_rows_np),
+        }
+        if condition == SERVER:
+            # Issue 18 item 3: torch's own threads for the one index_select only, the server's
+            # single thread restored after it (the switch is inside the timed call).
+            for scoped in self.args.scoped_threads:
+                gathers[f"index_select_scoped_{scoped}t"] = functools.partial(
+                    scoped_index_select, old.rows_at, old.host_rows, scoped
+                )
+        return gathers
+
+    def time_gathers(self, condition: str) -> None:
+        new = self.new
+        for rows in self.args.sweep_rows:
+            offsets_of = functools.partial(self.np_rng.integers, 0, self.ctx["num_rows"], rows, dtype=np.int64)
+            for name, fn in self.gathers(condition).items():
                 walls = []
-                for index in range(iterations(rows) + 3):
+                for index in range(self.iterations(rows) + 3):
                     ids = offsets_of()
                     offs = new.shard_base_np[ids // new.shard_size] + ids * new.row_bytes
                     wall, _ = time_one(lambda fn=fn, offs=offs: fn(offs), torch.device("cpu"), False)
                     if index >= 3:
                         walls.append(wall)
-                record("gather", name, condition, rows, walls)
-        save()
-    torch.set_num_threads(1)
+                self.record("gather", name, condition, rows, walls)
 
-    # Item 5: the server condition (one torch thread), GPU idle / busy / after the previous step.
-    if device.type != "cuda":
-        results["skipped"].append("item 5 busy and after-previous-step modes: no CUDA device")
-    else:
+    def time_gpu_states(self, save) -> None:
+        """Item 5: the server condition (one torch thread), GPU idle / busy / after the previous step."""
+        if self.device.type != "cuda":
+            self.results["skipped"].append("item 5 busy and after-previous-step modes: no CUDA device")
+            return
+        args, device = self.args, self.device
         workload = busy_workload(device)
         side = torch.cuda.Stream()
         main = torch.cuda.current_stream()
-        results["environment"]["busy_matmul_ms"] = workload.per_matmul_ms
+        self.results["environment"]["busy_matmul_ms"] = workload.per_matmul_ms
         prev_ms = args.previous_step_ms
         # The previous step alone, for the after-previous-step figures.
         alone = []
         for _ in range(20):
             alone.append(time_one(lambda: workload(prev_ms, main), device, True)[0])
         previous_alone = statistics.median(alone)
-        results["environment"]["previous_step_alone_ms"] = previous_alone
-        for tokens in token_sizes:
-            for name, fn in stages.items():
+        self.results["environment"]["previous_step_alone_ms"] = previous_alone
+        for tokens in self.token_sizes:
+            for name, fn in self.stages.items():
                 for state in ("idle", "busy", "after_previous_step"):
                     walls, cpus = [], []
-                    for index in range(iterations(tokens) + 3):
-                        host, dev = inputs(tokens)
+                    for index in range(self.iterations(tokens) + 3):
+                        host, dev = self.inputs(tokens)
                         if state == "busy":
                             # Another stream keeps the GPU busy for longer than the step takes.
                             workload(args.busy_ms if tokens < 1024 else 4 * args.busy_ms, side)
@@ -531,19 +558,24 @@ def run_server(args, ctx: dict, results: dict, save) -> None:
                         if index >= 3:
                             walls.append(wall)
                             cpus.append(cpu)
-                    record("gpu", name, state, tokens, walls, cpus)
+                    self.record("gpu", name, state, tokens, walls, cpus)
             save()
-    try:
-        results["breakdown_us"] = breakdown(new, hasher, rng, device, token_sizes)
-    except Exception:
-        results["errors"].append({"breakdown": traceback.format_exc()})
-    if device.type == "cuda":
+
+    def check_staging(self) -> None:
+        """A decode step's stage() in parts; on CUDA, a captured graph over staged rows and a replay
+        without a stage (refused); the new table's counters."""
+        results, new, device = self.results, self.new, self.device
         try:
-            results["cuda_graph"] = cuda_graph_check(new, hasher, resident, rng, device)
+            results["breakdown_us"] = breakdown(new, self.hasher, self.rng, device, self.token_sizes)
         except Exception:
-            results["errors"].append({"cuda_graph": traceback.format_exc()})
-        results["stale_replay"] = stale_replay_check(args)
-    results["stats"] = dict(new.stats)
+            results["errors"].append({"breakdown": traceback.format_exc()})
+        if device.type == "cuda":
+            try:
+                results["cuda_graph"] = cuda_graph_check(new, self.hasher, self.ctx["resident"], self.rng, device)
+            except Exception:
+                results["errors"].append({"cuda_graph": traceback.format_exc()})
+            results["stale_replay"] = stale_replay_check(self.args)
+        results["stats"] = dict(new.stats)
 
 
 def stale_replay_check(args) -> dict:
@@ -636,7 +668,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--busy-ms", type=float, default=5.0, help="GPU-busy workload per decode step (server)")
     parser.add_argument("--previous-step-ms", type=float, default=1.0, help="'previous step' workload (server)")
-    parser.add_argument("--before-patch", type=Path, default=BEFORE_PATCH, help="0001 before issue 14")
+    parser.add_argument(
+        "--before-patch",
+        type=Path,
+        help="0001 as it was before issue 14, timed beside the current one (--suite server needs it; "
+        "a checkout keeps it as measurements/ple_ssd/0001-ple-mmap-table.before-issue-14.patch)",
+    )
     parser.add_argument("--stale-replay-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("ple_ssd_bench.json"), help="JSON results")
     cli.add_force(parser, "the --out file")
@@ -649,6 +686,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.stale_replay_child:
         return stale_replay_child(args)
     files.check_output(args.out, args.force, what="--out")
+    if args.suite == "server" and args.before_patch is None:
+        raise SystemExit(
+            "error: --suite server times the module before issue 14 beside the current one: give "
+            "--before-patch PATH (in a checkout: measurements/ple_ssd/0001-ple-mmap-table.before-issue-14.patch), "
+            "or run --suite full (the current module alone)"
+        )
+    if args.before_patch is not None and not args.before_patch.is_file():
+        raise SystemExit(f"error: --before-patch {args.before_patch}: no such file")
     ple_mmap = load_module_from_patch(args.patch)
     device = torch.device(args.device)
     token_sizes = [int(t) for t in args.tokens.split(",")]

@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+from magpie import files
+
 FP8_MAX = 448.0
 
 
@@ -126,7 +128,10 @@ def test_every_path_runs_checks_and_lands_in_the_summary_on_cpu(bench):
     )
     assert bench.check_args(args) is None
     result = bench.measure(args, torch.device("cpu"), cpu_timer)
-    assert result["schema"] == "mtp_pruning/bench-draft-head/2"
+    assert result["schema"] == "magpie/bench-draft-head/2" and files.schema_of(result["schema"]) == (
+        "bench-draft-head",
+        2,
+    )
     assert list(result) == [
         "schema",
         "device",

@@ -510,58 +510,6 @@ def test_patch_header_names_target_activation_and_what_needs_a_gb10():
     assert "GB10" in header and "not run" in header.lower()
 
 
-def test_gather_module_imports_only_torch_numpy_and_the_standard_library():
-    import ast
-
-    text = subprocess.run(["git", "apply", "--numstat", str(PATCH)], capture_output=True, text=True, check=True)
-    assert "ple_mmap.py" in text.stdout
-    source = PATCH.read_text().split("+++ b/vllm/models/qwen4_exp/common/ple_mmap.py\n", 1)[1]
-    source = "\n".join(line[1:] for line in source.split("\ndiff --git", 1)[0].splitlines()[1:])
-    roots = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    assert roots - set(sys.stdlib_module_names) == {"numpy", "torch"}
-
-
-def _module_source(patch: Path, path: str) -> str:
-    source = patch.read_text().split(f"+++ b/{path}\n", 1)[1]
-    return "\n".join(line[1:] for line in source.split("\ndiff --git", 1)[0].splitlines()[1:])
-
-
-def test_the_gather_code_is_the_same_as_the_029_modules():
-    """The 0.33 module carries 0.29's gather: the functions and methods that gather warm rows
-    (the calling-thread rule, the index_select on its own scoped torch threads) are the same
-    source in both series, so a fix to one that misses the other fails here."""
-    import ast
-
-    series_029 = REPO / "patches" / "vllm-0.29.0" / "ple_ssd" / "0001-ple-mmap-table.patch"
-    sources = {
-        "0.29": _module_source(series_029, "vllm/models/qwen4_exp/ple_mmap.py"),
-        "0.33": _module_source(PATCH, "vllm/models/qwen4_exp/common/ple_mmap.py"),
-    }
-    names = {
-        "default_gather_threads",
-        "default_index_select_threads",
-        "gather_offsets",
-        "_index_select_rows",
-        "_copy_rows",
-    }
-    found = {}
-    for release, source in sources.items():
-        tree = ast.parse(source)
-        found[release] = {
-            node.name: ast.get_source_segment(source, node)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.FunctionDef) and node.name in names
-        }
-    assert set(found["0.29"]) == set(found["0.33"]) == names
-    for name in names:
-        assert found["0.29"][name] == found["0.33"][name], name
-
-
 def test_config_activation_refusals_and_the_default_hash(trees, checkpoints, tmp_path):
     stock = child_json(trees["stock"], tmp_path, "config", str(checkpoints["bf16"]))
     patched = child_json(trees["patched"], tmp_path, "config", str(checkpoints["bf16"]))
