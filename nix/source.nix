@@ -33,6 +33,8 @@ in
       ../nix
       ../patches
       ../pyproject.toml
+      ../setup.py
+      ../MANIFEST.in
       ../magpie
       ../requirements
       ../scripts

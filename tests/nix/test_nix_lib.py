@@ -11,8 +11,7 @@ import subprocess
 
 import pytest
 
-from magpie import TOOLS
-from magpie import patches as patch_tool
+from magpie import TOOLS, patches
 from tests.nix.nixeval import (
     APP_FIELDS,
     EXPECTED_APPS,
@@ -66,16 +65,16 @@ SERIES_TEXTS = [
 @pytest.mark.parametrize("text", SERIES_TEXTS)
 def test_series_parsing_matches_the_patch_tool(text):
     """nix/lib.nix's parseSeries against the patch tool's own parser (magpie.patches.parse_series)."""
-    assert nix_eval("lib.parseSeries text", text=text) == [entry for _, entry in patch_tool.parse_series(text)]
+    assert nix_eval("lib.parseSeries text", text=text) == [entry for _, entry in patches.parse_series(text)]
 
 
-@pytest.mark.parametrize("release", sorted(patch_tool.available_series(str(REPO / "patches"))))
+@pytest.mark.parametrize("release", sorted(patches.available_series(str(REPO / "patches"))))
 def test_series_of_the_repository_matches_the_patch_tool(release):
     """Every series of the repository: the paths lib.seriesPatches gives are the patches the tool
     loads (load_series: the same entries, in the same order, each file there)."""
-    series_dir = REPO / "patches" / f"vllm-{release}"
+    folder = REPO / "patches" / f"vllm-{release}"
     entries = nix_eval(f'map toString (lib.seriesPatches (repo + "/patches/vllm-{release}"))')
-    assert entries == [str(series_dir / p.name) for p in patch_tool.load_series(str(series_dir))]
+    assert entries == [str(folder / p.name) for p in patches.load_series(str(folder))]
 
 
 def test_series_listing_a_missing_patch_is_refused(tmp_path):
