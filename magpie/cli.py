@@ -33,6 +33,7 @@ __all__ = [
     "Parser",
     "add_force",
     "add_server",
+    "format_size",
     "parse_size",
     "parser",
     "require_modules",
@@ -135,6 +136,11 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 6GiB, 512MiB, 110G, 1048576)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def format_size(size: float) -> str:
+    """A size in bytes as the tools print it: 6442450944 -> '6.00 GiB'."""
+    return f"{size / 1024**3:.2f} GiB"
 
 
 def run_until_stopped(loop: Callable[[], int]) -> int:
