@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from magpie import patches as patch_tool
+from magpie import patches
 from magpie.demo.overlay import make_overlay, vllm_env
 from tests.serving.helpers import PYTHON, TESTS, run_tool
 
@@ -87,7 +87,7 @@ def test_every_proof_log_line_of_a_ple_ssd_patch_is_printed_by_it(tmp_path, ple_
     """The config hook (config), the table load (forward) and, for 0002, the model state: every
     `Proof-Log:` line of the patch matches a line the patched vLLM printed; the other patch's
     table line does not (the two are told apart)."""
-    series = {p.name: p for p in patch_tool.load_series(str(patch_tool.PATCHES_DIR) + "/vllm-0.29.0")}
+    series = {p.name: p for p in patches.load_series(str(patches.PATCHES_DIR) + "/vllm-0.29.0")}
     overlay = make_overlay(tmp_path / "overlay", selectors)
     lines = []
     for mode, extra in modes.items():  # None: the mode sets ple_mmap itself
