@@ -28,6 +28,8 @@ from collections.abc import Callable
 from magpie.patches import run_piped  # the patch tool stands alone, so it holds the one copy
 
 __all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
     "DEFAULT_URL",
     "HelpFormatter",
     "Parser",
@@ -42,8 +44,10 @@ __all__ = [
     "split_doc",
 ]
 
-DEFAULT_URL = "http://127.0.0.1:8100"
-"""Where serve.sh serves by default (its PORT), the URL of every client tool."""
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8100
+DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+"""Where serve.sh serves by default (its HOST and PORT), the URL of every client tool."""
 
 
 # In a docstring that is not raw, an example command continued with a backslash arrives joined:

@@ -346,7 +346,7 @@ def ple_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
         return ["VLLM_USE_V2_MODEL_RUNNER=1 (PLE=1 on vLLM 0.30+: the table is staged by the V2 model runner)"]
     if chosen.strip().lower() in ("0", "false"):
         raise Refused(
-            f"VLLM_USE_V2_MODEL_RUNNER={chosen} with PLE=1: the Engram mmap storage runs on the V2 model runner "
+            f"VLLM_USE_V2_MODEL_RUNNER={chosen} with PLE=1: vLLM 0.30+ stages the table on the V2 model runner "
             "only; unset it or set VLLM_USE_V2_MODEL_RUNNER=1"
         )
     return [f"VLLM_USE_V2_MODEL_RUNNER={chosen} (yours, kept)"]
@@ -786,8 +786,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan", help="check everything, write LOG.launch.json (plan and run manifest) and LOG's header"
     )
     p_plan.add_argument("--log", required=True, help="the server log (serve.sh's LOG)")
-    p_plan.add_argument("--host", default="127.0.0.1")
-    p_plan.add_argument("--port", type=int, default=8100)
+    p_plan.add_argument("--host", default=cli.DEFAULT_HOST)
+    p_plan.add_argument("--port", type=int, default=cli.DEFAULT_PORT)
     p_plan.add_argument(
         "--python",
         default=sys.executable,
