@@ -10,10 +10,11 @@ server's output, a kernel log a test writes). Standard library only.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import TextIO
 
-__all__ = ["OWN_LINES", "SERVING_LINE", "TAGS", "Log", "LogFollower"]
+__all__ = ["OWN_LINES", "SERVING_LINE", "TAGS", "Log", "LogFollower", "open_log"]
 
 # The tags of the tools' own lines in a server log (`memguard run` and the guard write "[memguard",
 # the watchdog "[watchdog").
@@ -23,6 +24,11 @@ TAGS = ("memguard", "watchdog")
 OWN_LINES = ("# ", *(f"[{tag}" for tag in TAGS))
 # uvicorn's line once the API server serves (vLLM logs it after the engine is up).
 SERVING_LINE = "Application startup complete."
+
+
+def open_log(path: str | None) -> TextIO:
+    """A tool's --log: the file, appended to, or stderr when none is given."""
+    return open(path, "a") if path else sys.stderr
 
 
 class Log:

@@ -74,7 +74,7 @@ import time
 from magpie import cli
 from magpie.serving import cgroup, pgroup, supervisor
 from magpie.serving.cgroup import cgroup2_mount, own_cgroup2_path  # noqa: F401 - magpie.gpu.harness reads them here
-from magpie.serving.logs import OWN_LINES, Log, LogFollower
+from magpie.serving.logs import OWN_LINES, Log, LogFollower, open_log
 
 # Lines of the NVIDIA driver, the CUDA runtime and PyTorch that report the GPU side running out of
 # memory, or the driver reporting a fault (Xid).
@@ -243,11 +243,185 @@ class GpuMemory:
 
 
 # --------------------------------------------------------------------------------------------
+# The checks: each says what it watches (`lines`) and `check()` returns a reason to stop, or None
+
+
+class MemoryCheck:
+    """MemAvailable under the threshold, swap in use grown; warns when the page cache is dropped."""
+
+    def __init__(self, opts: argparse.Namespace, min_available: int, log: Log, meminfo: dict[str, int]):
+        self.opts, self.min_available, self.log = opts, min_available, log
+        self.swap_at_start = meminfo.get("SwapTotal", 0) - meminfo.get("SwapFree", 0)
+        self.cached_history: collections.deque = collections.deque()
+        self.lines = [
+            f"swap: stop when swap in use grows by {cli.format_size(opts.max_swap_growth)} "
+            f"(now {cli.format_size(self.swap_at_start)})"
+            if opts.max_swap_growth
+            else "swap: not watched"
+        ]
+
+    def check(self) -> str | None:
+        meminfo = read_meminfo(self.opts.meminfo)
+        available = meminfo["MemAvailable"]
+        if available < self.min_available:
+            return f"MemAvailable {cli.format_size(available)} < threshold {cli.format_size(self.min_available)}"
+        opts = self.opts
+        swap_used = meminfo.get("SwapTotal", 0) - meminfo.get("SwapFree", 0)
+        if opts.max_swap_growth and swap_used - self.swap_at_start >= opts.max_swap_growth:
+            return (
+                f"swap in use grew by {cli.format_size(swap_used - self.swap_at_start)} to "
+                f"{cli.format_size(swap_used)} "
+                f"(limit {cli.format_size(opts.max_swap_growth)} of growth): memory is being paged out"
+            )
+        self.check_page_cache(meminfo.get("Cached", 0))
+        return None
+
+    def check_page_cache(self, cached: int) -> None:
+        opts = self.opts
+        now = time.monotonic()
+        self.cached_history.append((now, cached))
+        while self.cached_history and now - self.cached_history[0][0] > opts.cache_drop_window:
+            self.cached_history.popleft()
+        peak = max(value for _, value in self.cached_history)
+        drop = peak - cached
+        if opts.cache_drop_min and drop >= opts.cache_drop_min and drop >= opts.cache_drop_fraction * peak:
+            self.log(
+                f"warning: page cache dropped: Cached {cli.format_size(peak)} -> {cli.format_size(cached)} within "
+                f"{opts.cache_drop_window:g} s (drop_caches?). The n-gram table is read from disk again until its "
+                "pages are back: expect slow first requests; `python3 magpie ple-warmup warm MODEL` refills them"
+            )
+            self.cached_history.clear()
+            self.cached_history.append((now, cached))
+
+
+class PsiCheck:
+    """Memory pressure: PSI full avg10 over its limit stops, some avg10 over its own warns."""
+
+    def __init__(self, opts: argparse.Namespace, log: Log):
+        self.opts, self.log = opts, log
+        self.warned = False
+        self.path = None if opts.psi_file == "none" else opts.psi_file
+        if self.path is not None and not os.path.exists(self.path):
+            line = f"PSI: not available ({self.path} missing: a kernel without CONFIG_PSI, or psi=0)"
+            self.path = None
+        elif self.path is None:
+            line = "PSI: not watched (--psi-file none)"
+        else:
+            line = (
+                f"PSI: {self.path} (stop at full avg10 >= {opts.max_psi_full:g} %, warn at some avg10 >= "
+                f"{opts.warn_psi_some:g} %)"
+            )
+        self.lines = [line]
+
+    def check(self) -> str | None:
+        if self.path is None:
+            return None
+        try:
+            psi = read_psi(self.path)
+        except OSError as e:
+            self.log(f"PSI: {self.path} no longer readable ({e.strerror}); not watched any more")
+            self.path = None
+            return None
+        opts = self.opts
+        full, some = psi.get("full", 0.0), psi.get("some", 0.0)
+        if opts.max_psi_full and full >= opts.max_psi_full:
+            return (
+                f"memory pressure: PSI full avg10 {full:.2f} % >= {opts.max_psi_full:g} % ({self.path}): every "
+                "runnable task stalled on memory for that share of the last 10 s"
+            )
+        if opts.warn_psi_some and some >= opts.warn_psi_some and not self.warned:
+            self.log(f"warning: memory pressure rising: PSI some avg10 {some:.2f} % >= {opts.warn_psi_some:g} %")
+            self.warned = True
+        elif some < (opts.warn_psi_some or 0) / 2:
+            self.warned = False
+        return None
+
+
+class DriverLogCheck:
+    """Driver out-of-memory and fault lines in the server log and the kernel log; an Xid of a
+    process outside the server's group only warns."""
+
+    def __init__(self, opts: argparse.Namespace, log: Log, server: pgroup.Server):
+        self.opts, self.log, self.server = opts, log, server
+        self.followers = []
+        if opts.server_log:
+            self.followers.append((f"server log {opts.server_log}", LogFollower(opts.server_log, from_start=True)))
+        kernel, kernel_line = open_kernel_log(opts.kernel_log)
+        if kernel is not None:
+            self.followers.append(("kernel log", kernel))
+        self.lines = [
+            f"driver errors: {'stop' if opts.on_driver_error == 'stop' else 'warn'} on "
+            f"{', '.join(name for name, _ in self.followers) or 'no log (none given)'}",
+            kernel_line,
+        ]
+
+    def check(self) -> str | None:
+        for name, follower in self.followers:
+            for line in follower.lines():
+                if line.startswith(OWN_LINES) or not DRIVER_ERRORS.search(line):
+                    continue
+                xid = XID_PID.search(line)
+                if xid and not self.server.ours(int(xid.group("pid"))):
+                    self.log(
+                        f"warning: driver error of another process (PID {xid.group('pid')}) in {name}: {line.strip()}"
+                    )
+                    continue
+                if self.opts.on_driver_error == "warn":
+                    self.log(f"warning: driver error in {name}: {line.strip()}")
+                    continue
+                return f"driver error in {name}: {line.strip()[:300]}"
+        return None
+
+
+class GpuCheck:
+    """GPU memory as the driver reports it: reported at start, free under --min-gpu-free stops."""
+
+    def __init__(self, opts: argparse.Namespace):
+        self.opts = opts
+        self.gpu = GpuMemory(opts.gpu_memory)
+        self.checked = 0.0
+        if not self.gpu.source:
+            self.lines = [
+                f"GPU memory: not available ({self.gpu.why_not}); MemAvailable, PSI and driver errors stand in"
+            ]
+            return
+        threshold = (
+            f", stop under {cli.format_size(opts.min_gpu_free)} free"
+            if opts.min_gpu_free
+            else " (reported, no threshold)"
+        )
+        figures = self.gpu.read() or []
+        self.lines = [
+            f"GPU memory: {self.gpu.source}{threshold}",
+            "GPU memory now: "
+            + ", ".join(
+                f"GPU {i} {cli.format_size(free)} free of {cli.format_size(total)}"
+                for i, (free, total) in enumerate(figures)
+            ),
+        ]
+
+    def check(self) -> str | None:
+        if self.gpu.source is None or not self.opts.min_gpu_free:
+            return None
+        now = time.monotonic()
+        if now - self.checked < self.opts.gpu_interval:
+            return None
+        self.checked = now
+        for index, (free, total) in enumerate(self.gpu.read() or []):
+            if free < self.opts.min_gpu_free:
+                return (
+                    f"GPU {index} free memory {cli.format_size(free)} of {cli.format_size(total)} < threshold "
+                    f"{cli.format_size(self.opts.min_gpu_free)} ({self.gpu.source})"
+                )
+        return None
+
+
+# --------------------------------------------------------------------------------------------
 # The guard
 
 
 class Guard:
-    """The guard of one server (PID): `run()` reads the sources every INTERVAL seconds and stops the
+    """The guard of one server (PID): `run()` runs the checks every INTERVAL seconds and stops the
     server (the stop sequence, SIGKILL after GRACE) at the first reason; OPTIONS are
     add_watch_options' (default: their defaults)."""
 
@@ -267,172 +441,28 @@ class Guard:
     def stop(self, reason: str) -> None:
         self.server.stop(reason, self.grace, self.log, "the memory guard")
 
-    # ---- the checks; each returns a reason to stop, or None
-    def check_memory(self, meminfo: dict[str, int]) -> str | None:
-        available = meminfo["MemAvailable"]
-        if available < self.min_available:
-            return f"MemAvailable {cli.format_size(available)} < threshold {cli.format_size(self.min_available)}"
-        opts = self.options
-        swap_used = meminfo.get("SwapTotal", 0) - meminfo.get("SwapFree", 0)
-        if opts.max_swap_growth and swap_used - self.swap_at_start >= opts.max_swap_growth:
-            return (
-                f"swap in use grew by {cli.format_size(swap_used - self.swap_at_start)} to "
-                f"{cli.format_size(swap_used)} "
-                f"(limit {cli.format_size(opts.max_swap_growth)} of growth): memory is being paged out"
-            )
-        self.check_page_cache(meminfo.get("Cached", 0))
-        return None
-
-    def check_page_cache(self, cached: int) -> None:
-        opts = self.options
-        now = time.monotonic()
-        self.cached_history.append((now, cached))
-        while self.cached_history and now - self.cached_history[0][0] > opts.cache_drop_window:
-            self.cached_history.popleft()
-        peak = max(value for _, value in self.cached_history)
-        drop = peak - cached
-        if opts.cache_drop_min and drop >= opts.cache_drop_min and drop >= opts.cache_drop_fraction * peak:
-            self.log(
-                f"warning: page cache dropped: Cached {cli.format_size(peak)} -> {cli.format_size(cached)} within "
-                f"{opts.cache_drop_window:g} s (drop_caches?). The n-gram table is read from disk again until its "
-                "pages are back: expect slow first requests; `python3 magpie ple-warmup warm MODEL` refills them"
-            )
-            self.cached_history.clear()
-            self.cached_history.append((now, cached))
-
-    def check_psi(self) -> str | None:
-        if self.psi_path is None:
-            return None
-        try:
-            psi = read_psi(self.psi_path)
-        except OSError as e:
-            self.log(f"PSI: {self.psi_path} no longer readable ({e.strerror}); not watched any more")
-            self.psi_path = None
-            return None
-        opts = self.options
-        full, some = psi.get("full", 0.0), psi.get("some", 0.0)
-        if opts.max_psi_full and full >= opts.max_psi_full:
-            return (
-                f"memory pressure: PSI full avg10 {full:.2f} % >= {opts.max_psi_full:g} % ({self.psi_path}): every "
-                "runnable task stalled on memory for that share of the last 10 s"
-            )
-        if opts.warn_psi_some and some >= opts.warn_psi_some and not self.psi_warned:
-            self.log(f"warning: memory pressure rising: PSI some avg10 {some:.2f} % >= {opts.warn_psi_some:g} %")
-            self.psi_warned = True
-        elif some < (opts.warn_psi_some or 0) / 2:
-            self.psi_warned = False
-        return None
-
-    def check_driver_logs(self) -> str | None:
-        for name, follower in self.followers:
-            for line in follower.lines():
-                if line.startswith(OWN_LINES) or not DRIVER_ERRORS.search(line):
-                    continue
-                xid = XID_PID.search(line)
-                if xid and not self.server.ours(int(xid.group("pid"))):
-                    self.log(
-                        f"warning: driver error of another process (PID {xid.group('pid')}) in {name}: {line.strip()}"
-                    )
-                    continue
-                if self.options.on_driver_error == "warn":
-                    self.log(f"warning: driver error in {name}: {line.strip()}")
-                    continue
-                return f"driver error in {name}: {line.strip()[:300]}"
-        return None
-
-    def check_gpu(self) -> str | None:
-        if self.gpu is None or self.gpu.source is None or not self.options.min_gpu_free:
-            return None
-        now = time.monotonic()
-        if now - self.gpu_checked < self.options.gpu_interval:
-            return None
-        self.gpu_checked = now
-        figures = self.gpu.read() or []
-        for index, (free, total) in enumerate(figures):
-            if free < self.options.min_gpu_free:
-                return (
-                    f"GPU {index} free memory {cli.format_size(free)} of {cli.format_size(total)} < threshold "
-                    f"{cli.format_size(self.options.min_gpu_free)} ({self.gpu.source})"
-                )
-        return None
-
-    # ---- what is watched
-    def open_sources(self, meminfo: dict[str, int]) -> list[str]:
-        """Open the sources OPTIONS name; one line each on what is watched (and why not)."""
-        opts = self.options
-        self.swap_at_start = meminfo.get("SwapTotal", 0) - meminfo.get("SwapFree", 0)
-        self.cached_history: collections.deque = collections.deque()
-        self.psi_warned = False
-        self.gpu_checked = 0.0
-        self.followers = []
-        if opts.server_log:
-            self.followers.append((f"server log {opts.server_log}", LogFollower(opts.server_log, from_start=True)))
-        kernel, kernel_line = open_kernel_log(opts.kernel_log)
-        if kernel is not None:
-            self.followers.append(("kernel log", kernel))
-        self.psi_path = None if opts.psi_file == "none" else opts.psi_file
-        if self.psi_path is not None and not os.path.exists(self.psi_path):
-            psi_line = f"PSI: not available ({self.psi_path} missing: a kernel without CONFIG_PSI, or psi=0)"
-            self.psi_path = None
-        elif self.psi_path is None:
-            psi_line = "PSI: not watched (--psi-file none)"
-        else:
-            psi_line = (
-                f"PSI: {self.psi_path} (stop at full avg10 >= {opts.max_psi_full:g} %, warn at some avg10 >= "
-                f"{opts.warn_psi_some:g} %)"
-            )
-        self.gpu = GpuMemory(opts.gpu_memory)
-        gpu_line = (
-            f"GPU memory: {self.gpu.source}"
-            + (
-                f", stop under {cli.format_size(opts.min_gpu_free)} free"
-                if opts.min_gpu_free
-                else " (reported, no threshold)"
-            )
-            if self.gpu.source
-            else f"GPU memory: not available ({self.gpu.why_not}); MemAvailable, PSI and driver errors stand in"
-        )
-        swap_line = (
-            f"swap: stop when swap in use grows by {cli.format_size(opts.max_swap_growth)} "
-            f"(now {cli.format_size(self.swap_at_start)})"
-            if opts.max_swap_growth
-            else "swap: not watched"
-        )
-        driver_line = (
-            f"driver errors: {'stop' if opts.on_driver_error == 'stop' else 'warn'} on "
-            f"{', '.join(name for name, _ in self.followers) or 'no log (none given)'}"
-        )
-        return [driver_line, kernel_line, psi_line, swap_line, gpu_line]
-
     def run(self) -> int:
         opts = self.options
         meminfo = read_meminfo(opts.meminfo)
-        source_lines = self.open_sources(meminfo)
+        memory = MemoryCheck(opts, self.min_available, self.log, meminfo)
+        driver, psi, gpu = DriverLogCheck(opts, self.log, self.server), PsiCheck(opts, self.log), GpuCheck(opts)
         self.log(
             f"guarding server PID {self.pid} ({self.server.target()}): stop it when MemAvailable < "
             f"{cli.format_size(self.min_available)}; now {cli.format_size(meminfo['MemAvailable'])}"
         )
-        for line in source_lines:
-            self.log(line)
-        if self.gpu.source:
-            figures = self.gpu.read() or []
-            self.log(
-                "GPU memory now: "
-                + ", ".join(
-                    f"GPU {i} {cli.format_size(free)} free of {cli.format_size(total)}"
-                    for i, (free, total) in enumerate(figures)
-                )
-            )
+        for check in (driver, psi, memory, gpu):
+            for line in check.lines:
+                self.log(line)
+        checks = (memory, psi, driver, gpu)  # the order they are asked in
         while True:
             if not self.alive():
                 self.log(f"server PID {self.pid} exited; the guard exits")
                 return 0
-            reason = (
-                self.check_memory(read_meminfo(opts.meminfo))
-                or self.check_psi()
-                or self.check_driver_logs()
-                or self.check_gpu()
-            )
+            reason = None
+            for check in checks:
+                reason = check.check()
+                if reason:
+                    break
             if reason:
                 self.stop_reason = reason
                 self.stop(reason)
@@ -513,19 +543,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.command}: give the command after --")
     if args.command == "exec":
         return cgroup.exec_limited(args.max, cmd)
-    log = open(args.log, "a") if args.log else sys.stderr
+    log = open_log(args.log)
     if args.command == "run":
 
         def guard(pid: int) -> Guard:
             return Guard(pid, args.min_available, args.grace, args.interval, log, args)
 
         return supervisor.Supervisor(args, cmd, log, None if args.no_guard else guard).run()
-    try:
-        guard = Guard(args.pid, args.min_available, args.grace, args.interval, log, args)
-    except (ProcessLookupError, PermissionError) as e:
-        print(f"memguard: error: {e}", file=sys.stderr)
-        return 2
-    return cli.run_until_stopped(guard.run)
+    return pgroup.watch("memguard", lambda: Guard(args.pid, args.min_available, args.grace, args.interval, log, args))
 
 
 if __name__ == "__main__":

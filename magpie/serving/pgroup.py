@@ -17,6 +17,7 @@ is continued), up to `grace` seconds for it to end, SIGKILL to what is left of t
 
 - `start_time(pid)`, `group_of(pid)`, `group_members(pgid)`, `rss_bytes(pid)`: read from /proc.
 - `signal_group(pgid, *signals)`: signals to a group that may be gone already.
+- `watch(tool, make)`: the end of a watcher's main (the memory guard's, the watchdog's).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 
-from magpie.cli import format_size
+from magpie.cli import format_size, run_until_stopped
 
 __all__ = [
     "KILL_WAIT_S",
@@ -38,6 +40,7 @@ __all__ = [
     "signal_group",
     "start_time",
     "stop_group",
+    "watch",
 ]
 
 KILL_WAIT_S = 30  # how long a group may take to empty after SIGKILL (the kernel frees big mappings slowly)
@@ -154,6 +157,18 @@ def stop_group(
         signal_group(pgid, signum)
 
     return _sequence(send, running or (lambda: bool(members())), members, grace, since, term, on_kill)
+
+
+def watch(tool: str, make: Callable[[], object]) -> int:
+    """A watcher's `main` once its options are read: MAKE() the watcher of one server (the memory
+    guard, the watchdog) and run it until it returns or is stopped (cli.run_until_stopped); 2 with
+    one line when the PID names no process or one in this process's group."""
+    try:
+        watcher = make()
+    except (ProcessLookupError, PermissionError) as e:
+        print(f"{tool}: error: {e}", file=sys.stderr)
+        return 2
+    return run_until_stopped(watcher.run)
 
 
 class Server:

@@ -46,7 +46,7 @@ import urllib.error
 
 from magpie import cli
 from magpie.serving import client, pgroup
-from magpie.serving.logs import SERVING_LINE, Log, LogFollower
+from magpie.serving.logs import SERVING_LINE, Log, LogFollower, open_log
 from magpie.serving.metrics import (
     GENERATION_TOKENS,
     ITERATION_TOKENS_COUNT,
@@ -213,13 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")  # urllib asks a proxy unless told: the server is local
-    log = open(args.log, "a") if args.log else sys.stderr
-    try:
-        watchdog = Watchdog(args, log)
-    except (ProcessLookupError, PermissionError) as e:
-        print(f"watchdog: error: {e}", file=sys.stderr)
-        return 2
-    return cli.run_until_stopped(watchdog.run)
+    log = open_log(args.log)
+    return pgroup.watch("watchdog", lambda: Watchdog(args, log))
 
 
 if __name__ == "__main__":
