@@ -28,11 +28,14 @@ from collections.abc import Callable
 from magpie.patches import run_piped  # the patch tool stands alone, so it holds the one copy
 
 __all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
     "DEFAULT_URL",
     "HelpFormatter",
     "Parser",
     "add_force",
     "add_server",
+    "format_size",
     "parse_size",
     "parser",
     "require_modules",
@@ -41,8 +44,10 @@ __all__ = [
     "split_doc",
 ]
 
-DEFAULT_URL = "http://127.0.0.1:8100"
-"""Where serve.sh serves by default (its PORT), the URL of every client tool."""
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8100
+DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+"""Where serve.sh serves by default (its HOST and PORT), the URL of every client tool."""
 
 
 # In a docstring that is not raw, an example command continued with a backslash arrives joined:
@@ -135,6 +140,11 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 6GiB, 512MiB, 110G, 1048576)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def format_size(size: float) -> str:
+    """A size in bytes as the tools print it: 6442450944 -> '6.00 GiB'."""
+    return f"{size / 1024**3:.2f} GiB"
 
 
 def run_until_stopped(loop: Callable[[], int]) -> int:

@@ -27,10 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 # HTTP
 
 
-class ServerGone(Exception):
-    """The server does not answer at all any more (connection refused / reset, /health fails)."""
-
-
 def http_get(url: str, timeout: float = 30) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()

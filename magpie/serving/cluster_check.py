@@ -42,7 +42,7 @@ import time
 
 from magpie import ROOT, files
 
-SCHEMA = "magpie/cluster-check/1"
+SCHEMA = files.schema("cluster-check", 1)
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "magpie", "checkpoint-manifests")
 CHUNK = 1 << 20
 

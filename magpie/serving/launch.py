@@ -41,7 +41,6 @@ import io
 import json
 import os
 import platform
-import re
 import secrets
 import shlex
 import shutil
@@ -50,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 
-from magpie import patches, tool_command
+from magpie import cli, patches, releases, tool_command
 from magpie.serving import manifest, preflight
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,6 +100,42 @@ def profile_path(name_or_path: str) -> str:
 
 def available_profiles() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".yaml"))
+
+
+# serve.sh's own settings of a profile, each with its default: `#:` lines of the file (a YAML
+# mapping once the `#:` is cut), comments to vLLM, so the file stays a `vllm serve --config` file.
+PROFILE_SETTINGS = {
+    # the GB10 environment (GB10_ENVIRONMENT) under GB10_ENV=auto even where nvidia-smi finds no GB10
+    "gb10-environment": False,
+}
+SETTING_LINE = "#:"
+
+
+def profile_settings(path: str) -> dict:
+    """The profile's `#: key: value` lines over PROFILE_SETTINGS' defaults; Refused naming the line's
+    key and the known ones when a setting is unknown or not of its default's type."""
+    import yaml
+
+    with open(path) as f:
+        text = "\n".join(line[len(SETTING_LINE) :] for line in f if line.startswith(SETTING_LINE + " "))
+    try:
+        given = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise Refused(f"profile {path}: its `{SETTING_LINE}` lines are not a YAML mapping: {e}") from None
+    if not isinstance(given, dict):
+        raise Refused(f"profile {path}: its `{SETTING_LINE}` lines must read `{SETTING_LINE} key: value`")
+    settings = dict(PROFILE_SETTINGS)
+    for key, value in given.items():
+        if key not in PROFILE_SETTINGS:
+            raise Refused(
+                f"profile {path}: `{SETTING_LINE} {key}` is no serve.sh setting (known: {', '.join(PROFILE_SETTINGS)})"
+            )
+        if type(value) is not type(PROFILE_SETTINGS[key]):
+            raise Refused(
+                f"profile {path}: `{SETTING_LINE} {key}: {value}`: expected a {type(PROFILE_SETTINGS[key]).__name__}"
+            )
+        settings[key] = value
+    return settings
 
 
 def load_profile(path: str) -> dict:
@@ -210,18 +245,10 @@ def apply_overrides(profile: dict) -> tuple[dict, list[str]]:
     else:
         config.pop("speculative-config", None)
 
-    overrides = dict(config.get("hf-overrides") or {})
     if (value := take("PLE")) is not None:
         if value not in ("0", "1"):
             raise Refused(f"PLE={value}: expected 1 (table on disk) or 0 (table resident)")
-        if value == "1":
-            overrides["ple_mmap"] = True
-        else:
-            overrides.pop("ple_mmap", None)
-    if overrides:
-        config["hf-overrides"] = overrides
-    else:
-        config.pop("hf-overrides", None)
+        config = set_ple(config, PROFILE_PLE_SWITCH, value == "1")
 
     if (value := take("LANGUAGE_MODEL_ONLY")) is not None:
         if value not in ("0", "1"):
@@ -256,42 +283,62 @@ def apply_overrides(profile: dict) -> tuple[dict, list[str]]:
 # Checks before the launch
 
 
-# From vLLM 0.30 the n-gram table is vLLM's Engram code: PLE=1 is the ple_ssd patch's Engram storage
-# mode there (patches/vllm-0.33.0/ple_ssd), not 0.29's hf-overrides switch, which 0.30+ ignores
-# (and then pins the whole table in host memory: 102 GB, impossible on a GB10).
-ENGRAM_RELEASE = (0, 30)
-ENGRAM_MMAP = {"offload_storage": "mmap"}
+# PLE=1: the n-gram table on disk (the ple_ssd patch). It is serve.sh's one name for it; vLLM has a
+# spelling per release, magpie.releases.ple_switch(version) says which: 0.29 reads the ple_ssd
+# patch's `ple_mmap` hf-override; from 0.30 the table is vLLM's Engram code and PLE=1 is the
+# patch's Engram storage mode (0.30+ ignores the hf-override, and then pins the whole table in
+# host memory: 102 GB, impossible on a GB10). Each switch, vLLM's own option and value:
+PLE_SPELLINGS = {
+    "hf-overrides": {"ple_mmap": True},
+    "engram-config": {"offload_storage": "mmap"},
+}
+assert set(PLE_SPELLINGS) == set(releases.PLE_SWITCHES)
+PROFILE_PLE_SWITCH = "hf-overrides"  # the spelling profiles are written in (vLLM 0.29.0's)
 
 
-def _release(version: str | None) -> tuple[int, ...] | None:
-    numbers = re.match(r"(\d+)\.(\d+)", version or "")
-    return tuple(int(n) for n in numbers.groups()) if numbers else None
+def ple_switch_of(config: dict) -> str | None:
+    """The switch CONFIG turns PLE=1 on with, or None when it is off."""
+    for switch, spelling in PLE_SPELLINGS.items():
+        value = config.get(switch) or {}
+        if all(value.get(key) == want for key, want in spelling.items()):
+            return switch
+    return None
 
 
-def ple_for_release(config: dict, vllm_version: str | None) -> dict:
-    """The table-on-disk switch as the target vLLM spells it: `hf-overrides: {ple_mmap: true}` on
-    0.29, `engram-config: {offload_storage: mmap}` from 0.30 (a profile is written for 0.29)."""
-    release = _release(vllm_version)
-    if release is None or release < ENGRAM_RELEASE:
-        return config
+def set_ple(config: dict, switch: str, on: bool) -> dict:
+    """A copy of CONFIG with PLE=1 on (through SWITCH) or off (through no switch); an option left
+    empty is dropped."""
     config = dict(config)
-    overrides = dict(config.get("hf-overrides") or {})
-    if overrides.pop("ple_mmap", False):
-        engram = dict(config.get("engram-config") or {})
-        engram.update(ENGRAM_MMAP)
-        config["engram-config"] = engram
-    if overrides:
-        config["hf-overrides"] = overrides
-    else:
-        config.pop("hf-overrides", None)
+    for name, spelling in PLE_SPELLINGS.items():
+        option = {k: v for k, v in (config.get(name) or {}).items() if k not in spelling}
+        if on and name == switch:
+            option.update(spelling)
+        if option:
+            config[name] = option
+        else:
+            config.pop(name, None)
     return config
 
 
-def engram_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
-    """The Engram mmap storage (0.30+) is staged by the V2 model runner only (the patch refuses
+def ple_argument(switch: str) -> str:
+    """PLE=1 as it appears on the command line of SWITCH: --engram-config '{"offload_storage": "mmap"}'."""
+    return f"--{switch} '{json.dumps(PLE_SPELLINGS[switch])}'"
+
+
+def ple_for_release(config: dict, vllm_version: str | None) -> dict:
+    """CONFIG with PLE=1 spelled as the target vLLM reads it (a profile is written in 0.29's)."""
+    switch = ple_switch_of(config)
+    if switch is None or not vllm_version:
+        return config
+    wanted = releases.ple_switch(vllm_version)
+    return config if switch == wanted else set_ple(config, wanted, True)
+
+
+def ple_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
+    """PLE=1 through `engram-config` (0.30+) is staged by the V2 model runner only (the patch refuses
     the V1 runner when vLLM builds its config): ask for V2 unless the user chose a runner, and
-    refuse V1 here, before vLLM starts. Returns the explanation line (none without mmap)."""
-    if (config.get("engram-config") or {}).get("offload_storage") != "mmap":
+    refuse V1 here, before vLLM starts. Returns the explanation line (none without it)."""
+    if ple_switch_of(config) != "engram-config":
         return []
     chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     if chosen is None or chosen == "":
@@ -299,7 +346,7 @@ def engram_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
         return ["VLLM_USE_V2_MODEL_RUNNER=1 (PLE=1 on vLLM 0.30+: the table is staged by the V2 model runner)"]
     if chosen.strip().lower() in ("0", "false"):
         raise Refused(
-            f"VLLM_USE_V2_MODEL_RUNNER={chosen} with PLE=1: the Engram mmap storage runs on the V2 model runner "
+            f"VLLM_USE_V2_MODEL_RUNNER={chosen} with PLE=1: vLLM 0.30+ stages the table on the V2 model runner "
             "only; unset it or set VLLM_USE_V2_MODEL_RUNNER=1"
         )
     return [f"VLLM_USE_V2_MODEL_RUNNER={chosen} (yours, kept)"]
@@ -307,10 +354,8 @@ def engram_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
 
 def required_patches(config: dict) -> list[tuple[str, str]]:
     needed = []
-    if (config.get("hf-overrides") or {}).get("ple_mmap"):
-        needed.append(("ple_ssd", "PLE=1 (--hf-overrides '{\"ple_mmap\": true}')"))
-    if (config.get("engram-config") or {}).get("offload_storage") == "mmap":
-        needed.append(("ple_ssd", 'PLE=1 (--engram-config \'{"offload_storage": "mmap"}\')'))
+    if (switch := ple_switch_of(config)) is not None:
+        needed.append(("ple_ssd", f"PLE=1 ({ple_argument(switch)})"))
     if (config.get("speculative-config") or {}).get("draft_vocab_path"):
         needed.append(("mtp_pruning", "DRAFT_VOCAB_PATH (the pruned MTP draft head)"))
     return needed
@@ -349,6 +394,11 @@ class PatchStatus:
         except patches.ToolError as e:
             return cls(python, error=str(e))
         return cls(python, target, folder, series, states)
+
+    @property
+    def version(self) -> str | None:
+        """The version of the vLLM this interpreter imports (None when the tool found none)."""
+        return self.target.version if self.target is not None else None
 
     def table(self, chosen: list[patches.Patch] | None = None) -> list[str]:
         """The tool's text: its table of CHOSEN (default: every patch), or its error."""
@@ -538,7 +588,7 @@ def is_gb10() -> bool:
     return proc.returncode == 0 and "GB10" in proc.stdout
 
 
-def server_environment(profile_name: str, mode: str, jit_jobs: str) -> tuple[dict[str, str], list[str]]:
+def server_environment(profile: Profile, mode: str, jit_jobs: str) -> tuple[dict[str, str], list[str]]:
     """The variables to set for the server and one explanation line per variable."""
     if mode not in ("auto", "0", "1"):
         raise Refused(f"GB10_ENV={mode}: expected auto, 1 or 0")
@@ -549,10 +599,13 @@ def server_environment(profile_name: str, mode: str, jit_jobs: str) -> tuple[dic
     if mode == "auto":
         if is_gb10():
             why = "nvidia-smi reports a GB10"
-        elif "gb10" in profile_name:
-            why = f"profile {profile_name}"
+        elif profile.settings["gb10-environment"]:
+            why = f"profile {profile.name}"
         else:
-            return {}, ["GB10 settings: not applied (no GB10 found by nvidia-smi, and the profile is not a GB10 one)"]
+            return {}, [
+                "GB10 settings: not applied (no GB10 found by nvidia-smi, and the profile does not ask for them: "
+                f"`{SETTING_LINE} gb10-environment: true`)"
+            ]
     else:
         why = "GB10_ENV=1"
     env, lines = {}, [f"GB10 settings: applied ({why})"]
@@ -568,6 +621,29 @@ def server_environment(profile_name: str, mode: str, jit_jobs: str) -> tuple[dic
 
 # --------------------------------------------------------------------------------------------
 # plan / exec
+
+
+@dataclasses.dataclass
+class Profile:
+    """A profile resolved for one launch: the file, its values, serve.sh's settings of it, and the
+    vLLM options that result (serve.sh's variables applied, PLE=1 spelled for the target vLLM)."""
+
+    name: str
+    path: str
+    values: dict
+    settings: dict
+    config: dict
+    used: list[str]
+
+    @classmethod
+    def resolve(cls, vllm_version: str | None) -> Profile:
+        """PROFILE (default DEFAULT_PROFILE) with serve.sh's variables, for VLLM_VERSION: what `plan`
+        launches and `show` prints."""
+        path = profile_path(_env("PROFILE") or DEFAULT_PROFILE)
+        values = load_profile(path)
+        config, used = apply_overrides(values)
+        name = os.path.basename(path).rsplit(".", 1)[0]
+        return cls(name, path, values, profile_settings(path), ple_for_release(config, vllm_version), used)
 
 
 def bash_quote(argv: list[str]) -> str:
@@ -603,12 +679,9 @@ def plan(args: argparse.Namespace) -> int:
             "of its own (so that a vllm/ folder here cannot shadow the installed vLLM): give absolute paths"
         )
 
-    profile_name = _env("PROFILE") or DEFAULT_PROFILE
-    path = profile_path(profile_name)
-    profile = load_profile(path)
-    config, used = apply_overrides(profile)
     status = PatchStatus.of_this_interpreter(python)
-    config = ple_for_release(config, status.target.version if status.target else None)
+    profile = Profile.resolve(status.version)
+    config, path = profile.config, profile.path
     check_patches(status, config)
 
     spec = config.get("speculative-config") or {}
@@ -618,12 +691,9 @@ def plan(args: argparse.Namespace) -> int:
         raise Refused(str(e)) from None
     versions = preflight.versions()
 
-    profile_label = os.path.basename(path).rsplit(".", 1)[0]
-    env, env_lines = server_environment(
-        profile_label, os.environ.get("GB10_ENV", "auto"), os.environ.get("JIT_JOBS", "4")
-    )
+    env, env_lines = server_environment(profile, os.environ.get("GB10_ENV", "auto"), os.environ.get("JIT_JOBS", "4"))
     gb10_env = dict(env)
-    env_lines += engram_runner_environment(config, env)
+    env_lines += ple_runner_environment(config, env)
     pythonpath = os.environ.get("PYTHONPATH", "")
     if pythonpath:  # relative entries would point elsewhere from the server's working directory
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in pythonpath.split(os.pathsep))
@@ -645,7 +715,7 @@ def plan(args: argparse.Namespace) -> int:
         if os.path.exists(os.path.join(workdir, "vllm")):
             raise Refused(f"WORKDIR={workdir} has a vllm/ entry, which would shadow the installed vLLM")
     else:
-        workdir = os.path.join(tempfile.gettempdir(), f"flash-next-serve-{secrets.token_hex(6)}")
+        workdir = os.path.join(tempfile.gettempdir(), f"magpie-serve-{secrets.token_hex(6)}")
 
     record = {
         "schema": manifest.SCHEMA,
@@ -662,8 +732,8 @@ def plan(args: argparse.Namespace) -> int:
         "node": platform.node(),
         "caller_cwd": caller_cwd,
         "pythonpath": env.get("PYTHONPATH", ""),
-        "profile": {"name": profile_label, "path": path, "values": profile},
-        "overrides": dict(item.split("=", 1) for item in used),
+        "profile": {"name": profile.name, "path": path, "values": profile.values},
+        "overrides": dict(item.split("=", 1) for item in profile.used),
         "extra_args": extra,
         "mem_hard_limit": args.mem_hard_limit or None,
         "config": config,
@@ -710,21 +780,14 @@ def exec_plan(plan_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="launch.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie launch", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p_plan = sub.add_parser(
-        "plan",
-        help="check everything, write LOG.launch.json (plan and run manifest) and LOG's header",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "plan", help="check everything, write LOG.launch.json (plan and run manifest) and LOG's header"
     )
     p_plan.add_argument("--log", required=True, help="the server log (serve.sh's LOG)")
-    p_plan.add_argument("--host", default="127.0.0.1")
-    p_plan.add_argument("--port", type=int, default=8100)
+    p_plan.add_argument("--host", default=cli.DEFAULT_HOST)
+    p_plan.add_argument("--port", type=int, default=cli.DEFAULT_PORT)
     p_plan.add_argument(
         "--python",
         default=sys.executable,
@@ -737,7 +800,11 @@ def main(argv: list[str] | None = None) -> int:
     p_exec = sub.add_parser("exec", help="become the server a plan describes")
     p_exec.add_argument("plan", help="LOG.launch.json")
     sub.add_parser("profiles", help="list the profiles in profiles/")
-    sub.add_parser("show", help="print a profile (PROFILE) with serve.sh's variables applied, as vLLM options")
+    sub.add_parser(
+        "show",
+        help="print a profile (PROFILE) with serve.sh's variables applied, as vLLM options: those `plan` launches "
+        "with the vLLM this Python imports",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
@@ -748,8 +815,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in available_profiles():
                 print(f"{name:16s} {profile_path(name)}")
             return 0
-        config, _ = apply_overrides(load_profile(profile_path(_env("PROFILE") or DEFAULT_PROFILE)))
-        print(shlex.join(expand(config)))
+        profile = Profile.resolve(PatchStatus.of_this_interpreter(sys.executable).version)
+        print(shlex.join(expand(profile.config)))
         return 0
     except Refused as e:
         print(f"serve.sh: refusing to start: {e}", file=sys.stderr)

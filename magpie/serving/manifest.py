@@ -52,7 +52,7 @@ __all__ = [
     "write",
 ]
 
-SCHEMA = "magpie/launch/1"
+SCHEMA = files.schema("launch", 1)
 SUFFIX = ".launch.json"
 OUTPUT_MARK = "# ---- vLLM output follows"
 
@@ -95,7 +95,7 @@ def load(log: str | os.PathLike) -> dict[str, Any] | None:
         record = json.loads(text)
     except ValueError as e:
         raise ManifestError(f"{path}: not JSON ({e})") from None
-    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+    if not isinstance(record, dict) or files.schema_of(record.get("schema")) != files.schema_of(SCHEMA):
         schema = record.get("schema") if isinstance(record, dict) else None
         raise ManifestError(
             f"{path}: schema {schema!r}, expected {SCHEMA!r} (a plan of an older serve.sh has no schema: "

@@ -26,7 +26,10 @@ __all__ = [
     "DECODE_TIME_COUNT",
     "DECODE_TIME_SUM",
     "GENERATION_TOKENS",
+    "ITERATION_TOKENS_COUNT",
     "PROMPT_TOKENS",
+    "REQUESTS_RUNNING",
+    "REQUESTS_WAITING",
     "SPEC_ACCEPTED",
     "SPEC_DRAFTS",
     "SPEC_DRAFT_TOKENS",
@@ -41,6 +44,9 @@ SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
+ITERATION_TOKENS_COUNT = "vllm:iteration_tokens_total_count"
+REQUESTS_RUNNING = "vllm:num_requests_running"
+REQUESTS_WAITING = "vllm:num_requests_waiting"
 DECODE_TIME_SUM = "vllm:request_decode_time_seconds_sum"
 DECODE_TIME_COUNT = "vllm:request_decode_time_seconds_count"
 

@@ -16,7 +16,7 @@ kernel drops it again, before anything the server allocated. The budget bounds t
     python3 magpie ple-warmup evict /models/Qwen3.8-Flash-Next-NVFP4   # cold-start measurements
 
 `status` measures residency with mincore(2) over read-only mappings of the table's byte ranges.
-`--json` prints the summary as JSON (schema flash-next/ple-warmup/1) on stdout.
+`--json` prints the summary as JSON (schema magpie/ple-warmup/1) on stdout.
 Standard library only. Exit status: 0 done; 1 no table found or a file unreadable; 3 `warm`
 stopped by --min-available.
 """
@@ -34,7 +34,9 @@ import struct
 import sys
 import time
 
-from magpie import cli
+from magpie import cli, files
+
+SCHEMA = files.schema("ple-warmup", 1)  # of the --json summary
 
 DEFAULT_PATTERN = r"ngram_embedding\.shard_\d+\.weight$"
 PAGE = mmap.PAGESIZE
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = parser.parse_args(argv)
     ranges = table_ranges(args.model, args.pattern)
-    result: dict = {"schema": "flash-next/ple-warmup/1", "model": os.path.abspath(args.model), "tensors": len(ranges)}
+    result: dict = {"schema": SCHEMA, "model": os.path.abspath(args.model), "tensors": len(ranges)}
     try:
         if args.command == "warm":
             result["before"] = status(ranges)

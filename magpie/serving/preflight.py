@@ -29,7 +29,6 @@ the copy in this checkout's patch, for tools that run without a patched vLLM
 
 from __future__ import annotations
 
-import argparse
 import functools
 import glob
 import hashlib
@@ -43,7 +42,7 @@ import shutil
 import subprocess
 import sys
 
-from magpie import ROOT, patches
+from magpie import ROOT, cli, patches
 
 DRAFT_VOCAB_MODULE = os.path.join("v1", "spec_decode", "draft_vocab.py")  # added by the mtp_pruning patch
 DRAFT_VOCAB_FILE = "vllm/v1/spec_decode/draft_vocab.py"  # the same file as the patch names it
@@ -427,17 +426,10 @@ def check_lines(checks: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="preflight.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("magpie preflight", __doc__)
     parser.add_argument("--model", default="", help="model folder (its config.json gives the vocabulary size)")
     parser.add_argument("--draft-vocab-path", help="keep-set file to validate (default: no check)")
-    parser.add_argument(
-        "--jit-check", choices=("auto", "1", "0"), default="auto", help="check ninja/nvcc (default: %(default)s)"
-    )
+    parser.add_argument("--jit-check", choices=("auto", "1", "0"), default="auto", help="check ninja/nvcc")
     parser.add_argument("--header", action="store_true", help="print `# key: value` version lines")
     args = parser.parse_args(argv)
     try:

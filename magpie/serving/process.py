@@ -16,7 +16,7 @@ by the PIDs started here (never by a name). Standard library only.
 - `ServeShServer`: `serve.sh LOG [vllm serve args]`, the way users serve; serve.sh starts the
   server in a session of its own and forwards SIGTERM to it, so a stop signals serve.sh alone
   and afterwards kills whatever is left of the groups serve.sh named in its PID file.
-- `free_port()`, `group_members()`.
+- `free_port()`; `group_members()` (magpie/serving/pgroup.py, which also holds the stop sequence).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from magpie.serving import client
+from magpie.serving import client, pgroup
+from magpie.serving.pgroup import group_members
 
 __all__ = ["SERVE_SH", "ServeShServer", "ServerDied", "ServerProcess", "VllmServer", "free_port", "group_members"]
 
@@ -44,22 +45,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def group_members(pgid: int) -> list[int]:
-    """PIDs of live (not zombie) processes in process group `pgid`, read from /proc."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            members.append(int(entry))
-    return members
 
 
 class ServerDied(RuntimeError):
@@ -175,24 +160,18 @@ class ServerProcess:
             return None
         grace = self.grace if grace is None else grace
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                if self.term_group:
-                    os.killpg(self.proc.pid, signal.SIGTERM)
-                else:
+            if self.term_group:
+                pgroup.signal_group(self.proc.pid, signal.SIGTERM, signal.SIGCONT)
+            else:
+                with contextlib.suppress(ProcessLookupError):
                     self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace)
-        groups = self.process_groups()
-        for pgid in groups:
-            # Only a group that still has a member: its PGID cannot have been reused by now.
-            if group_members(pgid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, signal.SIGKILL)
+        for pgid in self.process_groups():
+            # Only a group that still has a member is signalled: its PGID cannot have been reused by now.
+            pgroup.stop_group(pgid, 0, term=False)
         if self.proc.poll() is None:
             self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(group_members(pgid) for pgid in groups) and time.monotonic() < deadline:
-            time.sleep(0.2)
         return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:

@@ -21,10 +21,12 @@
 #   GPU_MEM MAX_NUM_SEQS MAX_MODEL_LEN KV_CACHE_DTYPE   --gpu-memory-utilization ... --kv-cache-dtype
 #   MTP                     MTP speculative tokens per step; 0 turns speculative decoding off
 #   DRAFT_VOCAB_PATH=       keep-set of the pruned MTP draft head (absolute path; needs the mtp_pruning patch)
-#   PLE                     1: n-gram table on disk (--hf-overrides '{"ple_mmap": true}', needs ple_ssd); 0: off
+#   PLE                     1: n-gram table on disk (needs ple_ssd; vLLM 0.29 --hf-overrides '{"ple_mmap": true}',
+#                           0.30+ --engram-config '{"offload_storage": "mmap"}'); 0: off
 #   LANGUAGE_MODEL_ONLY     1: --language-model-only (no vision encoder); 0: off
 #   SERVED_MODEL_NAME TOOL_CALL_PARSER REASONING_PARSER   a name, or `none` to drop the profile's
-#   GB10_ENV=auto           allocator and JIT-job settings for a GB10: auto (a GB10 or a gb10 profile), 1, 0
+#   GB10_ENV=auto           allocator and JIT-job settings for a GB10: auto (a GB10, or a profile's
+#                           `#: gb10-environment: true` line), 1, 0
 #   JIT_JOBS=4              MAX_JOBS for FlashInfer's JIT build (ninja -j) under GB10_ENV
 #   MEMGUARD=1              guard the server (memguard run, its supervisor); 0 = supervise only, no guard
 #   MEMGUARD_MIN_AVAILABLE=6GiB   the guard stops the server under this MemAvailable
@@ -52,8 +54,8 @@
 # group (SIGKILL after STOP_GRACE seconds if it is still there). The top of LOG records the exact
 # command, the profile, the environment, the versions and the patch status; LOG.launch.json holds
 # the same as data (the run manifest).
-# The logic lives in launch.py (plan, exec), memguard.py (`run`: the supervisor) and watchdog.py;
-# this script wires them.
+# The logic lives in launch.py (plan, exec), supervisor.py (`memguard run`), memguard.py (the
+# guard), watchdog.py and pgroup.py (the one stop sequence); this script wires them.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

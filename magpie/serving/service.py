@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="User= of a system unit (default: %(default)s)")  # fmt: skip
     parser.add_argument("--python", default=os.environ.get("VLLM_PYTHON") or sys.executable,
                         help="the vLLM environment's Python (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8100, help="(default: %(default)s)")
+    parser.add_argument("--host", default=cli.DEFAULT_HOST, help="bind address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=cli.DEFAULT_PORT, help="(default: %(default)s)")
     parser.add_argument("--stop-grace", type=int, default=30,
                         help="STOP_GRACE: seconds from SIGTERM to SIGKILL (default: %(default)s)")  # fmt: skip
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",

@@ -38,21 +38,31 @@ Exit codes: 0 the server exited by itself; 4 the watchdog stopped it; 2 usage er
 from __future__ import annotations
 
 import argparse
-import json
+import http.client
 import os
 import sys
 import time
 import urllib.error
-import urllib.request
 
 from magpie import cli
-from magpie.serving import memguard
-from magpie.serving.metrics import MetricsSnapshot
+from magpie.serving import client, pgroup
+from magpie.serving.logs import SERVING_LINE, Log, LogFollower, open_log
+from magpie.serving.metrics import (
+    GENERATION_TOKENS,
+    ITERATION_TOKENS_COUNT,
+    PROMPT_TOKENS,
+    REQUESTS_RUNNING,
+    REQUESTS_WAITING,
+    MetricsSnapshot,
+)
+from magpie.serving.supervisor import WATCHDOG_STOPPED
 
 # Several tokens with any tokenizer (a one-token prompt crashes vLLM 0.29.0's CPU build under MTP).
 PROBE_PROMPT = "Watchdog probe: answer with one word. Are you there?"
-PROGRESS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:iteration_tokens_total_count")
-BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+PROGRESS = (GENERATION_TOKENS, PROMPT_TOKENS, ITERATION_TOKENS_COUNT)
+BUSY = (REQUESTS_RUNNING, REQUESTS_WAITING)
+# What a request to a server that does not answer raises.
+NO_ANSWER = (urllib.error.URLError, OSError, http.client.HTTPException)
 
 
 def metric_sums(page: str, names) -> dict[str, float]:
@@ -66,54 +76,35 @@ class Watchdog:
     def __init__(self, args: argparse.Namespace, log):
         self.args = args
         self.url = args.url.rstrip("/")
-        self.log_file = log
-        # Process identity, the process-group rules and the stop sequence are the memory guard's.
-        self.guard = memguard.Guard(args.pid, 0, args.grace, args.interval, log)
-        self.guard.log = self.log
-        self.guard.who = "the watchdog"
+        self.log = Log(log, "watchdog")
+        self.server = pgroup.Server(args.pid)  # the server by PID and start time; its stop sequence
         # From now on only: an earlier start's line (a restart appends to the same log) is not this one's.
-        self.server_log = memguard.LogFollower(args.server_log, from_start=False) if args.server_log else None
-
-    def log(self, message: str) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        print(f"[watchdog {stamp}] {message}", file=self.log_file, flush=True)
+        self.server_log = LogFollower(args.server_log, from_start=False) if args.server_log else None
 
     def get(self, path: str, timeout: float) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
-            return resp.read().decode()
-
-    def healthy(self) -> bool:
-        try:
-            self.get("/health", 5)
-            return True
-        except (urllib.error.URLError, OSError):
-            return False
+        return client.http_get(self.url + path, timeout=timeout)
 
     def serving(self) -> bool:
         """Whether the server serves: /health answers, or its log says uvicorn serves."""
-        if self.server_log is not None and any(memguard.SERVING_LINE in line for line in self.server_log.lines()):
+        if self.server_log is not None and any(SERVING_LINE in line for line in self.server_log.lines()):
             self.log(f"the server log {self.args.server_log} says the server serves")
             return True
-        return self.healthy()
+        return client.server_alive(self.url, timeout=5)
 
     def probe(self) -> str | None:
         """A completion of PROBE_PROMPT and one output token; None when it answered, else what went wrong
         (`probe_refused`: it answered with an HTTP error, which is not counted as a stall)."""
         self.probe_refused = False
         try:
-            model = json.loads(self.get("/v1/models", 10))["data"][0]["id"]
-            body = json.dumps({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}).encode()
-            request = urllib.request.Request(
-                self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(request, timeout=self.args.probe_timeout) as resp:
-                resp.read()
+            model = client.served_model(self.url, timeout=10)
+            body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
+            client.http_post(self.url + client.COMPLETIONS, body, timeout=self.args.probe_timeout)
             return None
         except urllib.error.HTTPError as e:
             self.log(f"warning: the probe got HTTP {e.code}; not counted as a stall")
             self.probe_refused = True
             return None
-        except (urllib.error.URLError, OSError) as e:
+        except (*NO_ANSWER, ValueError) as e:
             return f"the probe got no answer within {self.args.probe_timeout:g} s ({e})"
 
     def run(self) -> int:
@@ -129,7 +120,7 @@ class Watchdog:
             + f"; policy {args.on_stall}"
         )
         while not self.serving():  # start-up: nothing to judge yet
-            if not self.guard.alive():
+            if not self.server.alive():
                 self.log(f"server PID {args.pid} exited; the watchdog exits")
                 return 0
             time.sleep(min(args.interval, 1.0))
@@ -139,7 +130,7 @@ class Watchdog:
         probed = False
         stalled = False
         while True:
-            if not self.guard.alive():
+            if not self.server.alive():
                 self.log(f"server PID {args.pid} exited; the watchdog exits")
                 return 0
             now = time.monotonic()
@@ -147,14 +138,14 @@ class Watchdog:
             try:
                 page = self.get("/metrics", args.metrics_timeout)
                 answered_at = now
-            except (urllib.error.URLError, OSError) as e:
+            except NO_ANSWER as e:
                 page = None
                 if now - answered_at >= args.stall_after:
                     reason = f"/metrics has not answered for {now - answered_at:.0f} s ({e})"
             if page is not None:
                 sums = metric_sums(page, PROGRESS + BUSY)
                 current = tuple(sums[name] for name in PROGRESS)
-                busy = sums["vllm:num_requests_running"] + sums["vllm:num_requests_waiting"]
+                busy = sums[REQUESTS_RUNNING] + sums[REQUESTS_WAITING]
                 if current != progress or busy > 0:
                     active_at = now
                 if current != progress or busy == 0:
@@ -187,8 +178,8 @@ class Watchdog:
                     last_probe = time.monotonic()
             if reason and not stalled:
                 if args.on_stall == "stop":
-                    self.guard.stop(reason)
-                    return 4
+                    self.server.stop(reason, args.grace, self.log, "the watchdog")
+                    return WATCHDOG_STOPPED
                 self.log(f"{reason} (policy report: left running)")
                 stalled = True
             time.sleep(args.interval)
@@ -196,7 +187,7 @@ class Watchdog:
     def get_progress(self):
         try:
             sums = metric_sums(self.get("/metrics", self.args.metrics_timeout), PROGRESS)
-        except (urllib.error.URLError, OSError):
+        except NO_ANSWER:
             return None
         return tuple(sums[name] for name in PROGRESS)
 
@@ -206,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("watch", help="watch one server")
     p.add_argument("--pid", type=int, required=True, help="the server's PID (it should lead its process group)")
-    p.add_argument("--url", default="http://127.0.0.1:8100", help="the server")
+    p.add_argument("--url", default=cli.DEFAULT_URL, help="the server")
     p.add_argument("--stall-after", type=float, default=300.0, help="seconds without progress that make a stall")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between two /metrics readings")
     p.add_argument("--metrics-timeout", type=float, default=30.0, help="timeout of one /metrics request")
@@ -221,15 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         "--server-log", help="the server's output: uvicorn's start-up line there starts the judging (serve.sh: LOG)"
     )
     args = parser.parse_args(argv)
-    log = open(args.log, "a") if args.log else sys.stderr
-    try:
-        watchdog = Watchdog(args, log)
-    except (ProcessLookupError, PermissionError) as e:
-        print(f"watchdog: error: {e}", file=sys.stderr)
-        return 2
-    return cli.run_until_stopped(watchdog.run)
+    os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")  # urllib asks a proxy unless told: the server is local
+    log = open_log(args.log)
+    return pgroup.watch("watchdog", lambda: Watchdog(args, log))
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
     sys.exit(main())

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from magpie import TOOLS
+from magpie import TOOLS, cli
 from magpie.measure import gsm8k_eval, trace_split
-from magpie.serving import memguard
+from magpie.serving import cgroup, memguard
 from magpie.serving.metrics import MetricsSnapshot
 from magpie.serving.process import group_members
 from tests.serving.helpers import MEASURE, PYTHON, REPO, run_tool, tool
@@ -324,7 +324,7 @@ def test_memguard_refuses_a_pid_in_its_own_process_group(tmp_path):
 
 
 def _cgroup2_memory_available() -> bool:
-    mount, own = memguard.cgroup2_mount(), memguard.own_cgroup2_path()
+    mount, own = cgroup.cgroup2_mount(), cgroup.own_cgroup2_path()
     if mount is None or own is None:
         return False
     try:
@@ -343,7 +343,7 @@ def test_memguard_hard_limit_runs_the_command_under_memory_max_or_says_why_not(t
     proc = run_tool("memguard", "exec", "--max", "2GiB", "--", *cmd, timeout=60)
     if _cgroup2_memory_available() or os.path.isdir("/run/systemd/system"):
         assert proc.returncode == 0, proc.stderr
-        assert "flash-next-" in out.read_text() or "scope" in proc.stderr
+        assert "magpie-" in out.read_text() or "scope" in proc.stderr
     else:
         # This host (cgroup v1 memory controller, no systemd): a clear refusal, and the command never ran.
         assert proc.returncode == 2
@@ -352,12 +352,12 @@ def test_memguard_hard_limit_runs_the_command_under_memory_max_or_says_why_not(t
 
 
 def test_memguard_parses_sizes():
-    assert memguard.parse_size("6GiB") == 6 << 30
-    assert memguard.parse_size("512MiB") == 512 << 20
-    assert memguard.parse_size("110G") == 110 * 10**9
-    assert memguard.parse_size("1048576") == 1 << 20
+    assert cli.parse_size("6GiB") == 6 << 30
+    assert cli.parse_size("512MiB") == 512 << 20
+    assert cli.parse_size("110G") == 110 * 10**9
+    assert cli.parse_size("1048576") == 1 << 20
     with pytest.raises(Exception, match="not a size"):
-        memguard.parse_size("six gigs")
+        cli.parse_size("six gigs")
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -163,7 +164,9 @@ def _plan(tmp_path: Path, model: Path, cwd: Path | None = None, *extra: str, log
     log = log or tmp_path / "server.log"
     # Temporary folders of the plan (its working directory, if one were made) go under tmp_path/tmp.
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    full_env = vllm_env(None, MODEL=str(model), PLE="0", JIT_CHECK="0", TMPDIR=str(tmp_path / "tmp"), **env)
+    full_env = vllm_env(
+        None, **{"MODEL": str(model), "PLE": "0", "JIT_CHECK": "0", "TMPDIR": str(tmp_path / "tmp"), **env}
+    )
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "MAX_JOBS", "FLASHINFER_NVCC_THREADS"):
         if name not in env:
             full_env.pop(name, None)
@@ -632,13 +635,75 @@ def test_ple_on_vllm_033_asks_for_the_v2_runner_and_refuses_v1_before_vllm_start
     assert on_033["engram-config"] == {"offload_storage": "mmap"} and "hf-overrides" not in on_033
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     env: dict[str, str] = {}
-    lines = launch.engram_runner_environment(on_033, env)
+    lines = launch.ple_runner_environment(on_033, env)
     assert env == {"VLLM_USE_V2_MODEL_RUNNER": "1"} and "V2 model runner" in lines[0]
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     env = {}
-    assert launch.engram_runner_environment(on_033, env) == ["VLLM_USE_V2_MODEL_RUNNER=1 (yours, kept)"] and env == {}
+    assert launch.ple_runner_environment(on_033, env) == ["VLLM_USE_V2_MODEL_RUNNER=1 (yours, kept)"] and env == {}
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(launch.Refused, match="unset it or set VLLM_USE_V2_MODEL_RUNNER=1"):
-        launch.engram_runner_environment(on_033, {})
+        launch.ple_runner_environment(on_033, {})
     on_029 = launch.ple_for_release(profile, "0.29.0")
-    assert launch.engram_runner_environment(on_029, {}) == []
+    assert launch.ple_runner_environment(on_029, {}) == []
+
+
+def _show(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*tool("launch"), "show"],
+        capture_output=True,
+        text=True,
+        env=vllm_env(None, TMPDIR=str(tmp_path), **env),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_show_prints_the_options_plan_launches_ple_spelled_for_the_release(tmp_path, tiny_mtp_model):
+    """`show` and `plan` resolve a profile the same way, the release's PLE=1 spelling included: with
+    a release table that spells PLE=1 as 0.30+ does for the installed 0.29.0, `show` prints
+    --engram-config and `plan` asks the ple_ssd patch for that very switch."""
+    shown = _show(tmp_path, PROFILE="hopper", PLE="0", MTP="2")
+    assert shown.returncode == 0, shown.stderr
+    proc, plan, _ = _plan(tmp_path, tiny_mtp_model, None, PROFILE="hopper", MTP="2")
+    assert proc.returncode == 0, proc.stderr
+    options = shlex.split(shown.stdout)
+    command = plan["command"]
+    start = command.index(options[0])
+    assert command[start : start + len(options)] == options, (options, command)
+
+    table = json.loads((REPO / "magpie" / "releases.json").read_text())
+    table["releases"]["0.29.0"]["ple_switch"] = "engram-config"
+    moved = tmp_path / "releases.json"
+    moved.write_text(json.dumps(table))
+    shown = _show(tmp_path, PROFILE="hopper", PLE="1", MAGPIE_RELEASES=str(moved))
+    assert shown.returncode == 0, shown.stderr
+    options = shlex.split(shown.stdout)
+    assert json.loads(options[options.index("--engram-config") + 1]) == {"offload_storage": "mmap"}
+    assert "ple_mmap" not in shown.stdout
+    (tmp_path / "server.log").unlink()
+    proc, _, _ = _plan(tmp_path, tiny_mtp_model, None, PROFILE="hopper", PLE="1", MAGPIE_RELEASES=str(moved))
+    assert proc.returncode == 1 and 'PLE=1 (--engram-config \'{"offload_storage": "mmap"}\')' in proc.stderr
+
+
+def test_a_profile_declares_the_gb10_environment_its_file_name_does_not(tmp_path, tiny_mtp_model):
+    """GB10_ENV=auto applies the GB10 settings for a profile whose `#:` lines ask for them, whatever
+    its file is called; an unknown `#:` setting is refused by name."""
+    hopper = Path(launch.profile_path("hopper")).read_text()
+    named = tmp_path / "my-gb10-box.yaml"
+    named.write_text(hopper)
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, PROFILE=str(named))
+    assert proc.returncode == 0, proc.stderr
+    assert not plan["gb10"]["applied"] and "`#: gb10-environment: true`" in header
+    declared = tmp_path / "box.yaml"
+    declared.write_text("#: gb10-environment: true\n" + hopper)
+    (tmp_path / "server.log").unlink()
+    proc, plan, header = _plan(tmp_path, tiny_mtp_model, None, PROFILE=str(declared))
+    assert proc.returncode == 0, proc.stderr
+    assert plan["gb10"]["applied"] and "# GB10 settings: applied (profile box)" in header
+    assert plan["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("#: gb10: true\n" + hopper)
+    (tmp_path / "server.log").unlink()
+    proc, _, _ = _plan(tmp_path, tiny_mtp_model, None, PROFILE=str(wrong))
+    assert proc.returncode == 1 and "`#: gb10` is no serve.sh setting (known: gb10-environment)" in proc.stderr

@@ -73,7 +73,7 @@ def start_server(tmp: Path, name: str, model: Path, overlay: Path, settings: dic
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("flash-next")
+    return tmp_path_factory.mktemp("magpie")
 
 
 @pytest.fixture(scope="module")
