@@ -541,10 +541,10 @@ def bounded_cgroup(name: str, limit: int, proc: Path = Path("/proc/self")) -> di
     v2 in a container whose cgroup holds processes: the memory controller can be enabled for
     children only after those processes move to a leaf of their own (the no-internal-processes
     rule); done here, on the lent machine only. Returns {"path", "version", ...} or {"error"}."""
-    from magpie.serving import memguard
+    from magpie.serving import cgroup
 
     errors = []
-    mount, own = memguard.cgroup2_mount(str(proc / "mountinfo")), memguard.own_cgroup2_path(str(proc / "cgroup"))
+    mount, own = cgroup.cgroup2_mount(str(proc / "mountinfo")), cgroup.own_cgroup2_path(str(proc / "cgroup"))
     parent = Path(mount) / own.lstrip("/") if mount and own is not None else None
     if parent is not None and "memory" in _read(parent / "cgroup.controllers").split():
         try:

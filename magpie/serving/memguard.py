@@ -73,7 +73,6 @@ import time
 
 from magpie import cli
 from magpie.serving import cgroup, pgroup, supervisor
-from magpie.serving.cgroup import cgroup2_mount, own_cgroup2_path  # noqa: F401 - magpie.gpu.harness reads them here
 from magpie.serving.logs import OWN_LINES, Log, LogFollower, open_log
 
 # Lines of the NVIDIA driver, the CUDA runtime and PyTorch that report the GPU side running out of

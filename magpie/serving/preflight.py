@@ -200,10 +200,6 @@ def describe_keep_set(figures: dict) -> str:
     return f"{ids} ids ({ids / vocab:.2%} of {vocab}), range [{figures['first_id']}, {figures['last_id']}]"
 
 
-def check_keep_set(path: str, model: str) -> str:
-    return describe_keep_set(keep_set_figures(path, model))
-
-
 # --------------------------------------------------------------------------------------------
 # FlashInfer JIT tools
 
