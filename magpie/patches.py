@@ -1769,11 +1769,16 @@ def command_apply(args, target: Target) -> int:
         if not plan:
             print("  nothing to apply: every selected patch is already applied")
         return 0
+    return commit_plan(tree, plan, target, "applied", "nothing to apply: every selected patch is already applied")
+
+
+def commit_plan(tree: Tree, plan: list, target: Target, done: str, nothing: str) -> int:
+    """Write the planned tree and say what was done (`done` each patch, or `nothing`)."""
     written = tree.commit()
     for patch in plan:
-        print(f"applied {patch.name}")
+        print(f"{done} {patch.name}")
     if not plan:
-        print("nothing to apply: every selected patch is already applied")
+        print(nothing)
     print(f"{len(written)} file(s) changed under {target.root}")
     return 0
 
@@ -1804,13 +1809,7 @@ def command_revert(args, target: Target) -> int:
         for patch in plan:
             print(f"would revert {patch.name}")
         return 0
-    written = tree.commit()
-    for patch in plan:
-        print(f"reverted {patch.name}")
-    if not plan:
-        print("nothing to revert: no selected patch is applied")
-    print(f"{len(written)} file(s) changed under {target.root}")
-    return 0
+    return commit_plan(tree, plan, target, "reverted", "nothing to revert: no selected patch is applied")
 
 
 # The sub-commands: those of the first table work on series files alone, those of the second on
