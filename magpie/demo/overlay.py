@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from magpie import cli
+
 # The patch tool beside this package (a checkout's, or the installed one with its series).
 PATCH_TOOL = Path(__file__).resolve().parent.parent / "patches.py"
 
@@ -65,10 +67,9 @@ def vllm_env(overlay: str | os.PathLike | None = None, **extra: str) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="magpie demo-overlay",
+    parser = cli.parser(
+        "magpie demo-overlay",
+        None,
         description="Copy the installed vllm package into DEST/vllm (hard links; the installation stays "
         "stock) and apply the patch series there with magpie/patches.py; put DEST first on PYTHONPATH to "
         "run the patched copy.",

@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from magpie import releases
+from magpie import cli, releases
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pip_target_env.py")
@@ -391,9 +391,7 @@ def generate(args: argparse.Namespace, out_root: str, constrained: bool = False)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = cli.parser("magpie pin-wheels", __doc__)
     parser.add_argument(
         "--check",
         action="store_true",

@@ -15,12 +15,13 @@ the closure provides (by DT_SONAME or file name), with the wheels that need it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
 import sys
 import zipfile
+
+from magpie import cli
 
 DT_NEEDED = 1
 DT_SONAME = 14
@@ -97,7 +98,7 @@ def scan(folder: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = cli.parser("magpie wheel-libs", __doc__)
     parser.add_argument("folder", help="folder with the downloaded wheels of one system")
     args = parser.parse_args(argv)
     json.dump(scan(args.folder), sys.stdout, indent=1)
