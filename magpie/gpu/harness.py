@@ -39,6 +39,14 @@ ran (runner, cudagraph mode, backends, the patches' own lines) and, for a failur
 excerpt that says why. Copy the figures to the optimization's results folder with
 `summary --write-to`.
 
+Example (the mtp suite; the folders prepare writes travel to the GPU machine with the checkout):
+
+    .venv/bin/python magpie gpu-harness prepare --suite mtp          # here
+    python3 magpie gpu-harness stage .gpu-harness/site \
+         && python3 magpie gpu-harness models --suite mtp             # there, first call
+    python3 magpie gpu-harness stage .gpu-harness/c \
+         && python3 magpie gpu-harness run --suite mtp --budget 540   # there, second call
+
 docs/gpu-harness.md: the machine this is made for (a lent H200), the chain of calls that fits
 its limits, what each suite costs, and how to add a configuration.
 """
