@@ -22,7 +22,6 @@ has a timeout; a window that fails is reported and the others still run (exit 1 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -233,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     if not client.server_alive(base):
         print(f"error: no healthy vLLM server at {base}", file=sys.stderr)
         return 2
-    model = args.model or client.served_model(base)
-    max_len = json.loads(client.http_get(base + "/v1/models"))["data"][0].get("max_model_len")
+    listed = client.first_model(base)
+    model = args.model or listed["id"]
+    max_len = listed.get("max_model_len")
     if max_len:
         args.prefill_tokens = min(args.prefill_tokens, max_len - 64)
         args.decode_max_tokens = min(args.decode_max_tokens, max_len - 128)

@@ -600,8 +600,8 @@ def run_sweep(args, configs: list[dict]) -> int:
                 if not client.server_alive(base):
                     say(f"error: {config['name']}: no healthy server at {base}")
                     return 3
-            model = client.served_model(base)
-            max_len = json.loads(client.http_get(base + "/v1/models"))["data"][0].get("max_model_len")
+            listed = client.first_model(base)
+            model, max_len = listed["id"], listed.get("max_model_len")
             # One unmeasured request first: the first request after a start pays one-time costs.
             warm = bench_decode.request_body(
                 argparse.Namespace(max_tokens=8, temperature=0.0, thinking=False, ignore_eos=True),

@@ -47,10 +47,15 @@ def server_alive(base_url: str, timeout: float = 10) -> bool:
         return False
 
 
+def first_model(base_url: str, timeout: float = 30) -> dict:
+    """The first entry the server lists on /v1/models (`id`, `max_model_len`, ...)."""
+    models = json.loads(http_get(base_url.rstrip("/") + "/v1/models", timeout=timeout))
+    return models["data"][0]
+
+
 def served_model(base_url: str, timeout: float = 30) -> str:
     """The first model id the server lists on /v1/models."""
-    models = json.loads(http_get(base_url.rstrip("/") + "/v1/models", timeout=timeout))
-    return models["data"][0]["id"]
+    return first_model(base_url, timeout)["id"]
 
 
 def server_version(base_url: str, timeout: float = 30) -> str | None:
