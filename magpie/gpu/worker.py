@@ -100,6 +100,26 @@ def install_hooks() -> list[str]:
             installed.append("MmapNGramTable.lookup")
     except ImportError:
         pass
+    try:  # vLLM 0.34+: the step's rows are staged by model_state's stage_checkpoint_rows (upstream's
+        # disk_offload reader and ours alike run inside it), called by its module-level name.
+        import vllm.models.qwen4_exp.nvidia.model_state as model_state
+
+        if hasattr(model_state, "stage_checkpoint_rows"):
+            stage_rows = model_state.stage_checkpoint_rows
+
+            def timed_stage_rows(modules, input_ids, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return stage_rows(modules, input_ids, *args, **kwargs)
+                finally:
+                    STAGE["calls"] += 1
+                    STAGE["seconds"].append(time.perf_counter() - t0)
+                    STAGE["tokens"].append(int(input_ids.shape[0]))
+
+            model_state.stage_checkpoint_rows = timed_stage_rows
+            installed.append("model_state.stage_checkpoint_rows")
+    except ImportError:
+        pass
     return installed
 
 
@@ -422,17 +442,45 @@ def proc_memory(file_marker: str) -> dict:
     return mem
 
 
+def _block_sectors_read() -> int:
+    """Sectors (512 B) read from every whole block device (/sys/block/*/stat, field 3): what the
+    disk served, whoever asked: in this VM the worker's own counters missed mapped-file reads."""
+    total = 0
+    for stat in Path("/sys/block").glob("*/stat"):
+        if stat.parent.name.startswith(("loop", "ram", "zram")):
+            continue
+        try:
+            total += int(stat.read_text().split()[2])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def io_counters() -> dict:
-    """This process's bytes read from storage (/proc/self/io read_bytes), all bytes read through
-    read(2)-like calls (rchar), and its major / minor page faults (/proc/self/stat)."""
+    """Storage reads as every layer sees them: this process's bytes read from storage
+    (/proc/self/io read_bytes; preads of upstream's reader land here), bytes read through
+    read(2)-like calls (rchar), its major / minor page faults (/proc/self/stat); the machine's
+    pages paged in and major faults (/proc/vmstat pgpgin in KiB, pgmajfault: mapped-file faults
+    land here); the block devices' bytes read; and, in a memory cgroup, its file refaults (a page
+    read again after the cgroup's bound evicted it) and major faults (memory.stat)."""
     io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return {
+    vmstat = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    out = {
         "read_bytes": int(io["read_bytes"]),
         "rchar": int(io["rchar"]),
         "minflt": int(stat[7]),
         "majflt": int(stat[9]),
+        "vm_pgpgin_kib": int(vmstat.get("pgpgin", 0)),
+        "vm_pgmajfault": int(vmstat.get("pgmajfault", 0)),
+        "block_read_bytes": 512 * _block_sectors_read(),
     }
+    group = cgroup_memory()
+    if group:
+        for key in ("workingset_refault_file", "pgmajfault"):
+            if key in group:
+                out[f"cgroup_{key}"] = group[key]
+    return out
 
 
 def cgroup_memory() -> dict | None:
@@ -462,7 +510,18 @@ def cgroup_memory() -> dict | None:
             if (folder / name).exists():
                 out[key] = (folder / name).read_text().strip()
         stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
-        keep = ("anon", "file", "file_mapped", "active_file", "inactive_file", "rss", "cache", "mapped_file")
+        keep = (
+            "anon",
+            "file",
+            "file_mapped",
+            "active_file",
+            "inactive_file",
+            "rss",
+            "cache",
+            "mapped_file",
+            "workingset_refault_file",
+            "pgmajfault",
+        )
         out.update({k: int(stat[k]) for k in keep if k in stat})
         return out
     except (OSError, ValueError):
@@ -508,6 +567,12 @@ def check_ple_scale(llm, cfg: dict) -> dict:
     ranges = ple_warmup.table_ranges(model_dir, ple_warmup.DEFAULT_PATTERN)
     n = cfg.get("decode_tokens", 128)
     concurrency = cfg.get("concurrency", (1, 4))
+    fill = None
+    if cfg.get("fill_table_gib"):
+        # A bounded cache must be full before the decode window, or nothing is evicted and the
+        # bound is never met: read that many GiB of the table inside this process's cgroup first.
+        fill = ple_warmup.warm(ranges, int(cfg["fill_table_gib"] * 1024**3), 0, 1 << 20, True)
+        fill["cgroup_after"] = cgroup_memory()
     warm = [{"prompt_token_ids": [3900 + 11 * i + j for j in range(16)]} for i in range(max(concurrency))]
     for c in concurrency:
         llm.generate(warm[:c], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -552,8 +617,28 @@ def check_ple_scale(llm, cfg: dict) -> dict:
         t0 = time.perf_counter()
         residency[kind] = ple_warmup.status(ranges)
         residency[kind]["mincore_s"] = round(time.perf_counter() - t0, 2)
+    long_prompt = None
+    if cfg.get("long_prompt_tokens"):
+        # TTFT of one long prompt: its prefill is staged in chunks of max_num_batched_tokens.
+        length = cfg["long_prompt_tokens"]
+        prompt = {"prompt_token_ids": [(17 + 31 * j) % 4000 + 3 for j in range(length)]}
+        reset_counts()
+        io0 = io_counters()
+        t0 = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        ttft = time.perf_counter() - t0
+        io1 = io_counters()
+        long_prompt = {
+            "tokens": length,
+            "ttft_s": round(ttft, 4),
+            "stage": _percentiles(STAGE["seconds"]),
+            "stage_tokens_max": max(STAGE["tokens"], default=0),
+            "io": {k: io1[k] - io0[k] for k in io0},
+        }
     return {
         "decode_tokens": n,
+        "fill": fill,
+        "long_prompt": long_prompt,
         "runs": runs,
         "ids": ids,
         "distinct_ids_per_run": {k: [len(set(x)) for x in v] for k, v in ids.items()},
