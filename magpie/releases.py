@@ -25,6 +25,8 @@ __all__ = [
     "ReleaseError",
     "default",
     "gpu_harness_release",
+    "has_runner_switch",
+    "key",
     "load",
     "nix_suffix",
     "other_series_releases",
@@ -41,7 +43,12 @@ __all__ = [
 ]
 
 TABLE = Path(__file__).resolve().with_name("releases.json")
-PLE_SWITCHES = ("hf-overrides", "engram-config")
+# hf-overrides: 0.29's ple_ssd patch; engram-config: 0.30-0.33's (our Engram storage mode);
+# engram-disk-offload: 0.34+'s upstream EngramConfig.disk_offload.
+PLE_SWITCHES = ("hf-overrides", "engram-config", "engram-disk-offload")
+# vLLM 0.34.0 removed the V1 model runner and the VLLM_USE_V2_MODEL_RUNNER switch with it (=1
+# warns, any other value raises): from it on, nothing may set the variable.
+V2_ONLY_FROM = "0.34.0"
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
 _MOMENT = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
@@ -80,6 +87,14 @@ def _load(path: str) -> dict[str, Any]:
             pins = entry.get("pins")
             if not isinstance(pins, dict) or not isinstance(pins.get("extra_requirements"), list):
                 raise ReleaseError(f"{where}: a release with a series needs `pins.extra_requirements` (a list)")
+            overrides = pins.get("overrides", {})
+            if not isinstance(overrides, dict) or not all(
+                isinstance(v, str) and re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", v) for v in overrides.values()
+            ):
+                raise ReleaseError(
+                    f"{where}.pins.overrides must map a package name to the one version it resolves to "
+                    '(e.g. {"flashinfer-python": "0.7.4"})'
+                )
             if not _MOMENT.match(str(pins.get("uploaded_prior_to"))):
                 raise ReleaseError(
                     f"{where}.pins.uploaded_prior_to must be a UTC moment YYYY-MM-DDTHH:MM:SSZ after the release's date"
@@ -110,6 +125,11 @@ def default() -> str:
 
 def _key(release: str) -> tuple[int, ...]:
     return tuple(int(n) for n in release.split("."))
+
+
+def key(release: str) -> tuple[int, ...]:
+    """A MAJOR.MINOR.PATCH release as a tuple that sorts as the releases do."""
+    return _key(release)
 
 
 def series_releases() -> list[str]:
@@ -163,6 +183,13 @@ def ple_switch(version: str | None) -> str:
         if earlier:
             return releases[max(earlier, key=_key)]["ple_switch"]
     return releases[default()]["ple_switch"]
+
+
+def has_runner_switch(version: str | None) -> bool:
+    """Whether a vLLM version still reads VLLM_USE_V2_MODEL_RUNNER (before 0.34.0: V1 is its
+    default); an unknown version is taken to be the default release."""
+    release = release_of(version) or default()
+    return _key(release) < _key(V2_ONLY_FROM)
 
 
 def nix_suffix(release: str) -> str:

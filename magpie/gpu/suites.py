@@ -3,7 +3,10 @@
 Fields: name; about; model (folder under the staged models); compile (eager | fdo = mode 0 +
 FULL_DECODE_ONLY | fp = torch.compile mode 3 + FULL_AND_PIECEWISE | pw | full); mtp (draft
 tokens); keep (keep-set name, models.keep_sets); checks (worker.CHECKS); compare_to (the
-configuration whose outputs this one must reproduce); timeout_s; env; hf_overrides; ...
+configuration whose outputs this one must reproduce); timeout_s; env; hf_overrides; draft_quant
+(the drafter head's draft_lm_head_quantization: fp8 | nvfp4, vLLM 0.33+); min_release (the oldest
+vLLM release the configuration runs on: `run` skips it on an older staged release); reps (decode
+windows per concurrency in the speed check, median and range reported); ...
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+
+from magpie import releases
 
 
 def _inc(name, compile_, keep=None, about="", **extra):
@@ -194,6 +199,10 @@ def _scale(name, keep, about, **extra):
 
 
 # Issue 18: the draft head where it is a real share of a GPU-bound decode step (models.SCALE_*).
+# Issue 29 adds upstream's own speed-up beside it, the drafter's head in fp8
+# (draft_lm_head_quantization, vLLM 0.33+; nvfp4 needs a Blackwell GPU, the H200 has none), and the
+# pruned head quantized (mtp_pruning 0002). Every one: 5 decode windows per concurrency (median and
+# range), greedy ids equal to the unpruned bf16 run's.
 SCALE = [
     _scale(
         "scale-fp-base",
@@ -201,12 +210,32 @@ SCALE = [
         "64 real-size layers at hidden 2560, 248,320 ids, unpruned, compiled FULL_AND_PIECEWISE (first: compile)",
         timeout_s=420,
         min_s=300,
+        reps=5,
     ),
     _scale(
         "scale-fp-k10k",
         "big10k",
         "the same with the 10,000-id keep-set (every continuation inside it)",
         compare_to="scale-fp-base",
+        reps=5,
+    ),
+    _scale(
+        "scale-fp-base-fp8",
+        None,
+        "unpruned, the drafter's head an fp8 copy of the target's (draft_lm_head_quantization: upstream's speed-up)",
+        compare_to="scale-fp-base",
+        draft_quant="fp8",
+        min_release="0.33.0",
+        reps=5,
+    ),
+    _scale(
+        "scale-fp-k10k-fp8",
+        "big10k",
+        "the 10,000-id pruned head quantized to fp8 (mtp_pruning 0002)",
+        compare_to="scale-fp-base",
+        draft_quant="fp8",
+        min_release="0.33.0",
+        reps=5,
     ),
 ]
 
@@ -252,6 +281,19 @@ PLE_SCALE = [
 ]
 
 SUITES = {"mtp": MTP, "ple": PLE, "scale": SCALE, "ple-scale": PLE_SCALE}
+
+
+def not_on_release(cfg: dict, release: str) -> str | None:
+    """Why CFG cannot run on vLLM RELEASE (the staged site's), or None."""
+    oldest = cfg.get("min_release")
+    if oldest and releases.key(release) < releases.key(oldest):
+        return f"needs vLLM {oldest} or later (min_release), the staged site is {release}"
+    if "VLLM_USE_V2_MODEL_RUNNER" in cfg.get("env", {}) and not releases.has_runner_switch(release):
+        return (
+            f"its env sets VLLM_USE_V2_MODEL_RUNNER, which vLLM {release} no longer has (only =1 is "
+            "accepted, with a warning): drop it from the configuration's env"
+        )
+    return None
 
 
 def prepare_models(suite: str, models_dir: Path) -> None:

@@ -206,6 +206,8 @@ def llm_kwargs(cfg: dict, model_dir: str) -> dict:
         spec = {"method": "mtp", "num_speculative_tokens": cfg["mtp"]}
         if cfg.get("keep"):
             spec["draft_vocab_path"] = str(Path(os.environ["GPUH_MODELS"]) / "keep" / f"{cfg['keep']}.npy")
+        if cfg.get("draft_quant"):
+            spec["draft_lm_head_quantization"] = cfg["draft_quant"]
         kw["speculative_config"] = spec
     if cfg.get("hf_overrides"):
         kw["hf_overrides"] = cfg["hf_overrides"]
@@ -315,6 +317,7 @@ def check_speed(llm, cfg: dict) -> dict:
         out[f"c{c}"] = {
             "decode_seconds": [round(x, 4) for x in decode],
             "decode_tok_s": round(c * n / med, 1),
+            "decode_tok_s_range": [round(c * n / max(decode), 1), round(c * n / min(decode), 1)],
             "exact": f"{exact}/{c}",
             "spec": metrics_delta(before, spec_metrics(llm)),
         }

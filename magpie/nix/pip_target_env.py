@@ -11,9 +11,12 @@ needs), with the same marker environment.
 It is started by `pin_wheels.py` with the interpreter whose pip does the resolving; it imports
 pip's internals, so it is not meant to be run by hand:
 
-    python pip_target_env.py ENVIRONMENT.json EDGES.json -- install --dry-run --report R.json ...
+    python pip_target_env.py ENVIRONMENT.json EDGES.json [OVERRIDES.json] -- install --dry-run ...
 
-ENVIRONMENT.json holds the marker environment (PEP 508 names). EDGES.json receives
+ENVIRONMENT.json holds the marker environment (PEP 508 names). OVERRIDES.json, when given, maps
+a distribution name to the one version every requirement on it is resolved to instead of what the
+requirer's metadata says (a release table row's `pins.overrides`: a dependency a release pins to a
+version the registry does not have; the report keeps the metadata as published). EDGES.json receives
 {"requires": {name: [names]}, "extras": {name: [extras]}, "environment": {...}} where the
 names are canonical distribution names.
 """
@@ -29,12 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: pip_target_env.py ENVIRONMENT.json EDGES.json -- PIP_ARGS...\n\n" + (__doc__ or "").strip())
         return 0
-    if len(argv) < 3 or argv[2] != "--":
-        print("usage: pip_target_env.py ENVIRONMENT.json EDGES.json -- PIP_ARGS...", file=sys.stderr)
+    if "--" not in argv or argv.index("--") not in (2, 3):
+        print("usage: pip_target_env.py ENVIRONMENT.json EDGES.json [OVERRIDES.json] -- PIP_ARGS...", file=sys.stderr)
         return 2
-    environment_path, edges_path, pip_args = argv[0], argv[1], argv[3:]
+    split = argv.index("--")
+    environment_path, edges_path, pip_args = argv[0], argv[1], argv[split + 1 :]
     with open(environment_path) as f:
         environment = json.load(f)
+    overrides = {}
+    if split == 3:
+        with open(argv[2]) as f:
+            overrides = json.load(f)
+        override_requirements(overrides)
 
     import pip._vendor.packaging.markers as markers
 
@@ -61,6 +70,28 @@ def main(argv: list[str] | None = None) -> int:
     with open(edges_path, "w") as f:
         json.dump({"environment": environment, "requires": requires, "extras": extras}, f, indent=1, sort_keys=True)
     return 0
+
+
+def override_requirements(overrides: dict[str, str]) -> None:
+    """Resolve every requirement on a name in OVERRIDES to that version (its marker and extras
+    kept), whatever the requirer's metadata pins: pip reads dependencies from this method."""
+    from pip._internal.metadata.importlib._dists import Distribution
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name
+
+    wanted = {canonicalize_name(name): version for name, version in overrides.items()}
+    published = Distribution.iter_dependencies
+
+    def iter_dependencies(self, extras=()):
+        for req in published(self, extras):
+            version = wanted.get(canonicalize_name(req.name))
+            if version is not None:
+                extra = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+                marker = f"; {req.marker}" if req.marker else ""
+                req = Requirement(f"{req.name}{extra}=={version}{marker}")
+            yield req
+
+    Distribution.iter_dependencies = iter_dependencies
 
 
 def dependency_edges(report: dict) -> tuple[dict[str, list[str]], dict[str, list[str]]]:

@@ -283,14 +283,17 @@ def apply_overrides(profile: dict) -> tuple[dict, list[str]]:
 # Checks before the launch
 
 
-# PLE=1: the n-gram table on disk (the ple_ssd patch). It is serve.sh's one name for it; vLLM has a
-# spelling per release, magpie.releases.ple_switch(version) says which: 0.29 reads the ple_ssd
-# patch's `ple_mmap` hf-override; from 0.30 the table is vLLM's Engram code and PLE=1 is the
-# patch's Engram storage mode (0.30+ ignores the hf-override, and then pins the whole table in
-# host memory: 102 GB, impossible on a GB10). Each switch, vLLM's own option and value:
+# PLE=1: the n-gram table on disk. It is serve.sh's one name for it; vLLM has a spelling per
+# release, magpie.releases.ple_switch(version) says which: 0.29 reads the ple_ssd patch's
+# `ple_mmap` hf-override; 0.30-0.33 keep the table in vLLM's Engram code and PLE=1 is the patch's
+# Engram storage mode (0.30+ ignores the hf-override, and then pins the whole table in host
+# memory: 102 GB, impossible on a GB10); 0.34 ships the same design as upstream's Engram
+# `disk_offload` mode. Each switch: vLLM's option, the value PLE=1 sets there, and whether the
+# ple_ssd patch must be applied for it.
 PLE_SPELLINGS = {
-    "hf-overrides": {"ple_mmap": True},
-    "engram-config": {"offload_storage": "mmap"},
+    "hf-overrides": ("hf-overrides", {"ple_mmap": True}, True),
+    "engram-config": ("engram-config", {"offload_storage": "mmap"}, True),
+    "engram-disk-offload": ("engram-config", {"disk_offload": True}, False),
 }
 assert set(PLE_SPELLINGS) == set(releases.PLE_SWITCHES)
 PROFILE_PLE_SWITCH = "hf-overrides"  # the spelling profiles are written in (vLLM 0.29.0's)
@@ -298,8 +301,8 @@ PROFILE_PLE_SWITCH = "hf-overrides"  # the spelling profiles are written in (vLL
 
 def ple_switch_of(config: dict) -> str | None:
     """The switch CONFIG turns PLE=1 on with, or None when it is off."""
-    for switch, spelling in PLE_SPELLINGS.items():
-        value = config.get(switch) or {}
+    for switch, (option, spelling, _) in PLE_SPELLINGS.items():
+        value = config.get(option) or {}
         if all(value.get(key) == want for key, want in spelling.items()):
             return switch
     return None
@@ -309,20 +312,22 @@ def set_ple(config: dict, switch: str, on: bool) -> dict:
     """A copy of CONFIG with PLE=1 on (through SWITCH) or off (through no switch); an option left
     empty is dropped."""
     config = dict(config)
-    for name, spelling in PLE_SPELLINGS.items():
-        option = {k: v for k, v in (config.get(name) or {}).items() if k not in spelling}
-        if on and name == switch:
-            option.update(spelling)
-        if option:
-            config[name] = option
+    for option, spelling, _ in PLE_SPELLINGS.values():
+        value = {k: v for k, v in (config.get(option) or {}).items() if k not in spelling}
+        if value:
+            config[option] = value
         else:
-            config.pop(name, None)
+            config.pop(option, None)
+    if on:
+        option, spelling, _ = PLE_SPELLINGS[switch]
+        config[option] = {**(config.get(option) or {}), **spelling}
     return config
 
 
 def ple_argument(switch: str) -> str:
-    """PLE=1 as it appears on the command line of SWITCH: --engram-config '{"offload_storage": "mmap"}'."""
-    return f"--{switch} '{json.dumps(PLE_SPELLINGS[switch])}'"
+    """PLE=1 as it appears on the command line of SWITCH: --engram-config '{"disk_offload": true}'."""
+    option, spelling, _ = PLE_SPELLINGS[switch]
+    return f"--{option} '{json.dumps(spelling)}'"
 
 
 def ple_for_release(config: dict, vllm_version: str | None) -> dict:
@@ -335,9 +340,10 @@ def ple_for_release(config: dict, vllm_version: str | None) -> dict:
 
 
 def ple_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
-    """PLE=1 through `engram-config` (0.30+) is staged by the V2 model runner only (the patch refuses
-    the V1 runner when vLLM builds its config): ask for V2 unless the user chose a runner, and
-    refuse V1 here, before vLLM starts. Returns the explanation line (none without it)."""
+    """PLE=1 through `engram-config` (0.30-0.33) is staged by the V2 model runner only (the patch
+    refuses the V1 runner when vLLM builds its config): ask for V2 unless the user chose a runner,
+    and refuse V1 here, before vLLM starts. Returns the explanation line (none without it). From
+    0.34 the V2 runner is the only one (runner_environment)."""
     if ple_switch_of(config) != "engram-config":
         return []
     chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
@@ -352,9 +358,27 @@ def ple_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
     return [f"VLLM_USE_V2_MODEL_RUNNER={chosen} (yours, kept)"]
 
 
+def runner_environment(vllm_version: str | None, env: dict[str, str]) -> list[str]:
+    """vLLM 0.34+ has no VLLM_USE_V2_MODEL_RUNNER (the V2 runner is the only one; =1 only warns,
+    any other value makes vLLM raise): the plan never sets it there, drops a user's =1 with a
+    line saying so, and refuses any other value before vLLM starts."""
+    if releases.has_runner_switch(vllm_version):
+        return []
+    chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if chosen is None:
+        return []
+    if chosen.strip() in ("", "1"):
+        return [f"VLLM_USE_V2_MODEL_RUNNER={chosen} dropped (vLLM {vllm_version} has only the V2 model runner)"]
+    raise Refused(
+        f"VLLM_USE_V2_MODEL_RUNNER={chosen}: vLLM {vllm_version} removed the V1 model runner and this variable "
+        "(any value but 1 makes it raise); unset VLLM_USE_V2_MODEL_RUNNER"
+    )
+
+
 def required_patches(config: dict) -> list[tuple[str, str]]:
     needed = []
-    if (switch := ple_switch_of(config)) is not None:
+    if (switch := ple_switch_of(config)) is not None and PLE_SPELLINGS[switch][2]:
         needed.append(("ple_ssd", f"PLE=1 ({ple_argument(switch)})"))
     if (config.get("speculative-config") or {}).get("draft_vocab_path"):
         needed.append(("mtp_pruning", "DRAFT_VOCAB_PATH (the pruned MTP draft head)"))
@@ -694,6 +718,7 @@ def plan(args: argparse.Namespace) -> int:
     env, env_lines = server_environment(profile, os.environ.get("GB10_ENV", "auto"), os.environ.get("JIT_JOBS", "4"))
     gb10_env = dict(env)
     env_lines += ple_runner_environment(config, env)
+    env_lines += runner_environment(status.version, env)
     pythonpath = os.environ.get("PYTHONPATH", "")
     if pythonpath:  # relative entries would point elsewhere from the server's working directory
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in pythonpath.split(os.pathsep))

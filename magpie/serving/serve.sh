@@ -21,8 +21,9 @@
 #   GPU_MEM MAX_NUM_SEQS MAX_MODEL_LEN KV_CACHE_DTYPE   --gpu-memory-utilization ... --kv-cache-dtype
 #   MTP                     MTP speculative tokens per step; 0 turns speculative decoding off
 #   DRAFT_VOCAB_PATH=       keep-set of the pruned MTP draft head (absolute path; needs the mtp_pruning patch)
-#   PLE                     1: n-gram table on disk (needs ple_ssd; vLLM 0.29 --hf-overrides '{"ple_mmap": true}',
-#                           0.30+ --engram-config '{"offload_storage": "mmap"}'); 0: off
+#   PLE                     1: n-gram table on disk (0.29 --hf-overrides '{"ple_mmap": true}' and
+#                           0.30-0.33 --engram-config '{"offload_storage": "mmap"}' need ple_ssd;
+#                           0.34+ --engram-config '{"disk_offload": true}', upstream's); 0: off
 #   LANGUAGE_MODEL_ONLY     1: --language-model-only (no vision encoder); 0: off
 #   SERVED_MODEL_NAME TOOL_CALL_PARSER REASONING_PARSER   a name, or `none` to drop the profile's
 #   GB10_ENV=auto           allocator and JIT-job settings for a GB10: auto (a GB10, or a profile's
