@@ -355,6 +355,8 @@ def cmd_prepare(args) -> int:
             unzip_into(w, site)
         print(f"[prepare] {len(deps)} pinned wheels unpacked into the tree (pip checked their hashes)", flush=True)
         write_fa2_stand_in(site)
+        if write_flashinfer_stand_in(site, release):
+            print("[prepare] flashinfer: a torch stand-in of flashinfer.norm (magpie/gpu/stand_in)", flush=True)
         # The committed series (HEAD), never uncommitted edits of the working tree.
         archive = subprocess.run(["git", "archive", "HEAD", "patches"], cwd=REPO, capture_output=True, check=True)
         (work / "committed").mkdir()
@@ -431,6 +433,21 @@ def write_fa2_stand_in(tree: Path) -> None:
     fa2 = tree / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.py"
     fa2.parent.mkdir(parents=True, exist_ok=True)
     fa2.write_text("# stand-in (gpu harness): FA2 not carried; configurations use TRITON_ATTN\n")
+
+
+# From this release on, vLLM's CUDA Qwen3.5 and Qwen4Exp models call flashinfer.norm for every
+# RMSNorm; FlashInfer (JIT with nvcc, or flashinfer-cubin) cannot come to the lent machine.
+FLASHINFER_STAND_IN_FROM = "0.34.0"
+STAND_IN = HERE / "stand_in"
+
+
+def write_flashinfer_stand_in(tree: Path, release: str) -> bool:
+    """Copy the torch stand-in of flashinfer.norm (magpie/gpu/stand_in/flashinfer) into TREE for a
+    release that needs it; False (nothing written) for an older release."""
+    if releases.key(release) < releases.key(FLASHINFER_STAND_IN_FROM):
+        return False
+    shutil.copytree(STAND_IN / "flashinfer", tree / "flashinfer", ignore=shutil.ignore_patterns("__pycache__"))
+    return True
 
 
 def _variant_files(wheel: Path, site: Path, work: Path, name: str, selectors: list[str]) -> None:
