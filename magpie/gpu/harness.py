@@ -566,6 +566,10 @@ def run_env(release: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
     if releases.has_runner_switch(release):
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    if releases.key(release) >= releases.key(FLASHINFER_STAND_IN_FROM):
+        # The site carries a stand-in of flashinfer.norm only: vLLM's has_flashinfer() must keep
+        # saying no, which it does when FlashInfer's JIT finds no nvcc (the H200 image has one).
+        env["CUDA_HOME"] = "/nonexistent/cuda-toolkit-hidden-by-the-gpu-harness"
     env.update(
         PYTHONPATH=str(GPUH / "site"),
         GPUH_MODELS=str(GPUH / "models"),

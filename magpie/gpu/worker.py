@@ -660,11 +660,37 @@ CHECKS = {
 }
 
 
+# vLLM 0.34.0's CUDA kernel warm-up imports the MiniMax M3 warm-up module unconditionally, which
+# imports CuTe DSL (`cutlass`, nvidia-cutlass-dsl: too large to come to the lent machine) at
+# module level; its function returns at once for a model without MiniMax M3 sparse attention.
+MINIMAX_WARMUP = "vllm.model_executor.warmup.minimax_m3_msa_warmup"
+
+
+def skip_unneeded_warmups() -> list[str]:
+    """Where CuTe DSL is absent, stand in for the MiniMax M3 warm-up module with one whose
+    function does nothing (what upstream's does for every other model). Returns what it did."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("cutlass") is not None:
+        return []
+    try:
+        if importlib.util.find_spec(MINIMAX_WARMUP) is None:
+            return []
+    except ModuleNotFoundError:
+        return []
+    stand_in = types.ModuleType(MINIMAX_WARMUP)
+    stand_in.minimax_m3_msa_warmup = lambda worker: None
+    sys.modules[MINIMAX_WARMUP] = stand_in
+    return [f"{MINIMAX_WARMUP}: no-op (no cutlass; not a MiniMax M3 model)"]
+
+
 def main(argv: list[str]) -> int:
     cfg = json.loads(Path(argv[0]).read_text())
     info: dict = {"config": cfg["name"], "about": cfg.get("about"), "compare_to": cfg.get("compare_to"), "ok": False}
     try:
         info["hooks"] = install_hooks()
+        info["stand_ins"] = skip_unneeded_warmups()
         import torch
         import vllm
         from vllm import LLM
