@@ -33,9 +33,11 @@ conflicting: the tree would be neither stock nor patched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import difflib
+import fcntl
 import glob
 import hashlib
 import json
@@ -43,9 +45,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The series an installed package carries (setup.py copies the checkout's patches/ there).
@@ -751,7 +755,8 @@ class Tree:
         return sorted(rel for rel, text in self.current.items() if text != self.original.get(rel))
 
     def commit(self) -> list[str]:
-        """Write every changed file; on any failure restore what was already written."""
+        """Write every changed file as one change set (see write_set): all of it or none of it,
+        a signal or a failure part-way included."""
         changed = self.changed()
         for rel in changed:
             target_dir = os.path.dirname(os.path.join(self.root, rel))
@@ -760,44 +765,312 @@ class Tree:
                 probe = os.path.dirname(probe)
             if not os.access(probe, os.W_OK):
                 raise ToolError(f"cannot write {os.path.join(self.root, rel)}: permission denied")
-        done: list[str] = []
-        try:
-            for rel in changed:
-                _write(self.root, rel, self.current[rel])
-                done.append(rel)
-        except OSError as e:
-            failed = rel
-            for written in done:
-                _write(self.root, written, self.original[written])
-            raise ToolError(
-                f"writing {os.path.join(self.root, failed)} failed ({e}); the files already written were restored"
-            ) from e
+        if changed:
+            write_set(self.root, {rel: self.current[rel] for rel in changed})
         return changed
 
 
-def _write(root: str, rel: str, text: str | None) -> None:
+# --------------------------------------------------------------------------------------------
+# Writing a change set: a journal, then the renames, all or nothing
+#
+# write_set() first writes JOURNAL in the target's root (the files it will change, phase
+# "staging"), then beside each file its new text (.magpie-patches-new.NAME) and a hard link to
+# (or copy of) the file as it is (.magpie-patches-old.NAME); then the journal's phase becomes
+# "committing" and each new file is renamed over its file; then "done", the side files are
+# removed, and the journal last. SIGINT, SIGTERM and SIGHUP arriving meanwhile are held until
+# the set is written. Killed outright (SIGKILL, a power cut), the journal stays: the next run on
+# the tree (any command with a target) rolls a "staging" or "committing" set back and finishes a
+# "done" one before doing anything else (recover()).
+
+JOURNAL = ".magpie-patches.journal"
+LOCK_INFO = ".magpie-patches.lock"
+_NEW, _OLD = ".magpie-patches-new.", ".magpie-patches-old."
+# Test hook (tests/test_patch_tool_safety.py): "N:SIGNAL" sends SIGNAL to this process after step
+# N of a change set (write_set and recover count their steps from 1).
+TEST_SIGNAL_ENV = "MAGPIE_PATCHES_TEST_SIGNAL_AFTER"
+_steps = [0]
+
+
+def _step(what: str) -> None:
+    _steps[0] += 1
+    hook = os.environ.get(TEST_SIGNAL_ENV, "")
+    if hook:
+        number, _, name = hook.partition(":")
+        if number.strip() == str(_steps[0]):
+            print(f"test hook: {name} after step {_steps[0]} ({what})", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), getattr(signal, name))
+
+
+def _side(root: str, rel: str, prefix: str) -> str:
     path = os.path.join(root, rel)
-    # A stale bytecode file could outlive a same-size, same-second edit: drop it.
-    stem = os.path.splitext(os.path.basename(rel))[0]
-    for pyc in glob.glob(os.path.join(os.path.dirname(path), "__pycache__", f"{glob.escape(stem)}.*.pyc")):
-        os.unlink(pyc)
-    if text is None:
-        if os.path.exists(path):
-            os.unlink(path)
-        return
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".magpie-patch-")
+    return os.path.join(os.path.dirname(path), prefix + os.path.basename(path))
+
+
+def _write_journal(root: str, record: dict) -> None:
+    path = os.path.join(root, JOURNAL)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: str) -> None:
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _drop_pyc(path: str) -> None:
+    # A stale bytecode file could outlive a same-size, same-second edit: drop it.
+    stem = os.path.splitext(os.path.basename(path))[0]
+    for pyc in glob.glob(os.path.join(os.path.dirname(path), "__pycache__", f"{glob.escape(stem)}.*.pyc")):
+        _unlink(pyc)
+
+
+class _HeldSignals:
+    """Hold SIGINT, SIGTERM and SIGHUP while a change set is written; `received` lists them."""
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __enter__(self):
+        self.received: list[int] = []
+        self.previous = {}
+        for name in self.SIGNALS:
+            number = getattr(signal, name)
+            with contextlib.suppress(ValueError, OSError):  # not the main thread: nothing to hold
+                self.previous[number] = signal.signal(number, lambda signum, frame: self.received.append(signum))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        HELD_SIGNALS.extend(self.received)
+
+
+# Signals held during a change set, for main() to report once the set is written.
+HELD_SIGNALS: list[int] = []
+
+
+def write_set(root: str, texts: dict[str, str | None]) -> None:
+    """Write `texts` (relative path -> new text, None: delete) under `root` all at once."""
+    rels = sorted(texts)
+    made_dirs: list[str] = []
+    for rel in rels:
+        if texts[rel] is None:
+            continue
+        missing, probe = [], os.path.dirname(os.path.join(root, rel))
+        while not os.path.exists(probe):
+            missing.append(probe)
+            probe = os.path.dirname(probe)
+        made_dirs += [os.path.relpath(d, root) for d in reversed(missing) if os.path.relpath(d, root) not in made_dirs]
+    entries = [
+        {"path": rel, "existed": os.path.lexists(os.path.join(root, rel)), "delete": texts[rel] is None} for rel in rels
+    ]
+    record = {"tool": "magpie/patches.py", "pid": os.getpid(), "phase": "staging", "entries": entries}
+    record["made_dirs"] = made_dirs
+    with _HeldSignals():
+        try:
+            _write_journal(root, record)
+        except OSError as e:
+            _unlink(os.path.join(root, JOURNAL + ".tmp"))
+            raise ToolError(
+                f"cannot write the journal {os.path.join(root, JOURNAL)} ({e.strerror}); nothing was changed"
+            ) from None
+        _step("journal written: staging")
+        failed = None
+        try:
+            for rel in rels:
+                failed = rel
+                path = os.path.join(root, rel)
+                if texts[rel] is not None:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    new = _side(root, rel, _NEW)
+                    mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644
+                    with open(new, "w", encoding="utf-8", newline="") as f:
+                        f.write(texts[rel])
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.chmod(new, mode)
+                    _step(f"new text of {rel} staged")
+                if os.path.lexists(path):
+                    old = _side(root, rel, _OLD)
+                    _unlink(old)
+                    try:
+                        os.link(path, old)
+                    except OSError:
+                        shutil.copy2(path, old)
+                    _step(f"{rel} kept aside")
+            failed = None
+            record["phase"] = "committing"
+            _write_journal(root, record)
+            _step("journal: committing")
+            for rel in rels:
+                failed = rel
+                path = os.path.join(root, rel)
+                _drop_pyc(path)
+                if texts[rel] is None:
+                    _unlink(path)
+                else:
+                    os.replace(_side(root, rel, _NEW), path)
+                _step(f"{rel} {'deleted' if texts[rel] is None else 'replaced'}")
+            failed = None
+            for directory in {os.path.dirname(os.path.join(root, rel)) for rel in rels}:
+                _fsync_dir(directory)
+            record["phase"] = "done"
+            _write_journal(root, record)
+            _step("journal: done")
+        except OSError as e:
+            where = os.path.join(root, failed) if failed else os.path.join(root, JOURNAL)
+            try:
+                _roll(root, record, quiet=True)
+            except OSError as again:
+                raise ToolError(
+                    f"writing {where} failed ({e}), and so did undoing it ({again}); the journal "
+                    f"{os.path.join(root, JOURNAL)} stays: run the same command again once the cause is fixed"
+                ) from e
+            raise ToolError(
+                f"writing {where} failed ({e}); the files already written were restored, nothing was changed"
+            ) from e
+        _finish(root, record)
+
+
+def _finish(root: str, record: dict) -> None:
+    """The last steps of a written set: its side files removed, then the journal."""
+    for entry in record["entries"]:
+        _unlink(_side(root, entry["path"], _NEW))
+        _unlink(_side(root, entry["path"], _OLD))
+        _step(f"side files of {entry['path']} removed")
+    _unlink(os.path.join(root, JOURNAL))
+    _fsync_dir(root)
+    _step("journal removed")
+
+
+def _roll(root: str, record: dict, quiet: bool = False) -> str:
+    """Undo a set that was not written to the end ("staging", "committing"), or finish one that
+    was ("done"). Each step can be repeated: a recovery cut short is taken up again next time."""
+    if record.get("phase") == "done":
+        _finish(root, record)
+        return "finished"
+    for entry in record["entries"]:
+        path = os.path.join(root, entry["path"])
+        old, new = _side(root, entry["path"], _OLD), _side(root, entry["path"], _NEW)
+        if record.get("phase") == "committing":
+            if entry["existed"]:
+                if os.path.lexists(old):
+                    _drop_pyc(path)
+                    os.replace(old, path)  # both links of one file: rename leaves `old`; removed below
+            elif os.path.lexists(path):
+                _drop_pyc(path)
+                os.unlink(path)
+        _unlink(new)
+        _unlink(old)
+        _step(f"{entry['path']} restored")
+    for rel in reversed(record.get("made_dirs", [])):
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(root, rel))
+    _unlink(os.path.join(root, JOURNAL))
+    _unlink(os.path.join(root, JOURNAL + ".tmp"))
+    _fsync_dir(root)
+    _step("journal removed")
+    return "rolled back"
+
+
+def recover(root: str) -> str | None:
+    """Complete or roll back a change set an earlier run left (its journal); say which, or None."""
+    path = os.path.join(root, JOURNAL)
+    _unlink_quietly = os.path.lexists(path + ".tmp") and not os.path.lexists(path)
+    if _unlink_quietly:  # killed while writing the first journal: nothing else was written
+        with contextlib.suppress(OSError):
+            os.unlink(path + ".tmp")
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        if not isinstance(record, dict) or not isinstance(record.get("entries"), list):
+            raise ValueError("not a journal of this tool")
+        for entry in record["entries"]:
+            rel = entry["path"]
+            if os.path.isabs(rel) or os.pardir in rel.split(os.sep):
+                raise ValueError(f"path {rel!r} outside the tree")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ToolError(
+            f"{path}: an interrupted change set's journal that cannot be read ({e}); reinstall vLLM (or check "
+            "the release out again), then delete the journal"
+        ) from None
+    with _HeldSignals():
+        try:
+            how = _roll(root, record)
+        except OSError as e:
+            raise ToolError(
+                f"{path}: an earlier run was interrupted mid-change and undoing it failed ({e}); fix the cause "
+                "(permissions, space) and run again"
+            ) from None
+    print(
+        f"note: an earlier run (pid {record.get('pid', '?')}) was interrupted while it changed {root}; "
+        f"its change set was {how} ({len(record['entries'])} file(s))",
+        file=sys.stderr,
+    )
+    return how
+
+
+@contextlib.contextmanager
+def locked(root: str, wait: float, command: str):
+    """Hold the target's lock (flock on its root folder) for the whole command: two runs on one
+    tree take turns. Waits up to `wait` seconds, then refuses naming the holder."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise ToolError(f"cannot open {root} to lock it: {e.strerror}") from None
+    info = os.path.join(root, LOCK_INFO)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    try:
+                        with open(info, encoding="utf-8") as f:
+                            holder = f.read().strip() or "a process that did not say who it is"
+                    except OSError:
+                        holder = "a process that did not say who it is"
+                    raise Refusal(
+                        f"{root} is locked by another magpie/patches.py run ({holder}); waited {wait:g} s: "
+                        "run again when it ends, or give it longer with --wait SECONDS"
+                    ) from None
+                time.sleep(min(0.1, max(deadline - time.monotonic(), 0.01)))
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")  # noqa: UP017
+        wrote_info = False
+        try:
+            with open(info + ".tmp", "w", encoding="utf-8") as f:
+                f.write(f"pid {os.getpid()}, `{command}` since {stamp}\n")
+            os.replace(info + ".tmp", info)
+            wrote_info = True
+        except OSError:
+            pass  # a read-only tree: the lock holds all the same
+        try:
+            yield
+        finally:
+            if wrote_info:
+                _unlink(info)
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -846,7 +1119,18 @@ def find_target(target: str | None, python: str | None) -> Target:
             raise ToolError(
                 f"--python {python}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}"
             )
-        package_dir = proc.stdout.strip()
+        reported = proc.stdout.strip().splitlines()
+        package_dir = reported[-1].strip() if reported else ""
+        if (
+            not package_dir
+            or not os.path.isabs(package_dir)
+            or not os.path.isfile(os.path.join(package_dir, "__init__.py"))
+        ):
+            said = f"printed {package_dir!r}" if package_dir else "printed nothing"
+            raise ToolError(
+                f"--python {python}: it did not report an installed vllm package ({said}); give the Python "
+                "of the venv that has vLLM (VENV/bin/python, where `python -c 'import vllm'` works), or --target DIR"
+            )
         root = os.path.dirname(package_dir)
         return Target(root, "installed package", _version_of(root))
     if not target:
@@ -1587,6 +1871,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the root with one vllm-<release>/ series folder per release, or one series folder (default: %(default)s)",
     )
     common.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with a target: how long to wait for another run on the same tree to end (default: %(default)g)",
+    )
+    common.add_argument(
         "--series",
         metavar="RELEASE",
         help="use this release's series (e.g. 0.33.0) instead of the one matching the target's vLLM version",
@@ -1824,14 +2115,56 @@ COMMANDS = {
 TARGET_COMMANDS = {"status": command_status, "check": command_apply, "apply": command_apply, "revert": command_revert}
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP outside a change set (SIGINT raises KeyboardInterrupt)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in TARGET_COMMANDS and not 0 <= args.wait <= 86400:
+        print(f"error: --wait {args.wait:g}: give seconds from 0 to 86400", file=sys.stderr)
+        return 2
+    previous = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            previous[getattr(signal, name)] = signal.signal(getattr(signal, name), _raise_interrupted)
+    try:
+        status = _main(args)
+        if HELD_SIGNALS:
+            name = signal.Signals(HELD_SIGNALS[0]).name
+            print(
+                f"error: {name} arrived while the files were being written; the change set was finished "
+                "first (above), then the run stopped",
+                file=sys.stderr,
+            )
+            return 128 + HELD_SIGNALS[0]
+        return status
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"error: interrupted by {signal.Signals(signum).name}; nothing was changed", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _main(args) -> int:
     target = None
     try:
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
         target = find_target(args.target, args.python)
-        return TARGET_COMMANDS[args.command](args, target)
+        with locked(target.root, args.wait, args.command):
+            recover(target.root)
+            return TARGET_COMMANDS[args.command](args, target)
     except NoSeries as e:
         where = (
             f"--python {shlex.quote(args.python)}" if args.python else f"--target {shlex.quote(args.target or 'DIR')}"
