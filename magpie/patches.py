@@ -267,6 +267,11 @@ def parse_patch(name: str, text: str) -> Patch:
             if i < len(lines) and lines[i].startswith("\\"):
                 i += 1
             hunks.append(Hunk(header, int(m.group(1)), old, new))
+        if not hunks and old_exists and new_exists:
+            raise ToolError(
+                f"{name}: the section for {path} changes nothing (a `diff --git` section without hunks, which "
+                "`git apply` rejects as garbage): delete that section from the patch"
+            )
         files.append(FilePatch(path, old_exists, new_exists, hunks))
     return Patch(name, fields, requires, files)
 
@@ -353,14 +358,17 @@ def extract_created(folders: list[str], output: str) -> list[str]:
 # magpie/vllm_modules/ (same file name): `refresh` writes the hunks from the sources, `check-sources`
 # fails when a hunk differs from what its source generates. What differs between releases sits in
 # one `# [release X.Y.Z]` ... `# [release end]` section of the source; the file a series ships keeps
-# the lines of its own release (the Target of the patch) and drops the others and the markers.
+# the lines of its own release (the Target of the patch) and drops the others and the markers. A
+# release without a block of its own takes the nearest older release's (a new release needs no
+# edit here unless what it needs differs).
 MODULES_DIR = os.path.join(_HERE, "vllm_modules")
 _RELEASE_MARK = re.compile(r"^# \[release (?P<what>\d+(?:\.\d+)*|end)\]$")
 
 
 def render_module(text: str, release: str, source: str = "module") -> str:
     """`text` (a module source) as the series of vLLM `release` ships it: the lines of that
-    release's `# [release ...]` block kept, every other release's block and the markers dropped."""
+    release's `# [release ...]` block kept (no block of its own: the nearest older release's),
+    every other release's block and the markers dropped."""
     out, block, seen = [], None, []
     for lineno, line in enumerate(text.splitlines(keepends=True), 1):
         mark = _RELEASE_MARK.match(line.rstrip("\n"))
@@ -381,10 +389,14 @@ def render_module(text: str, release: str, source: str = "module") -> str:
     if block is not None:
         raise ToolError(f"{source}: the `# [release {block}]` block has no `# [release end]`")
     if seen and release not in seen:
-        raise ToolError(
-            f"{source}: no `# [release {release}]` block (it has {', '.join(seen)}): add the lines vLLM "
-            f"{release} needs there"
-        )
+        older = [what for what in seen if _release_key(what) < _release_key(release)]
+        if not older:
+            raise ToolError(
+                f"{source}: no `# [release {release}]` block and none for an older release (it has "
+                f"{', '.join(seen)}): add the lines vLLM {release} needs there"
+            )
+        # A release without a block of its own ships the nearest older release's lines.
+        return render_module(text, max(older, key=_release_key), source)
     return "".join(out)
 
 
@@ -476,7 +488,10 @@ such file is written to DIR/<patch>/<path>, merged, with diff3-style markers aro
 (<<<<<<< the new release, ||||||| the old one, ======= the patch's side, >>>>>>>). Edit them
 (every marker removed) and run the same command again: a file there without markers is taken as
 that patch's version of the file, and the patches after it are carried on top of it. Without
---work nothing at all is written.
+--work nothing at all is written. A file the new release no longer has: --drop-removed drops the
+patch's hunks of it (each file named) instead. No file section of the output is ever empty: a
+file whose merge (or hand resolution) equals the new release's file gets none, and a patch left
+with no section is left out of the series, said so.
 
     python3 tests/env/fetch_sdist.py 0.29.0 ~/sdist        # a pristine base tree (or a checkout)
     magpie/patches.py rebase --base ~/sdist/vllm-0.29.0 --python ~/venvs/vllm-0.31/bin/python
@@ -746,7 +761,37 @@ class Tree:
             return APPLIED, ""
         if forward_ok:
             return NOT_APPLIED, ""
-        return CONFLICTING, forward_error
+        return CONFLICTING, self._culprit(patch, base) or forward_error
+
+    def _culprit(self, patch: Patch, base: dict[str, str | None] | None) -> str:
+        """Which file makes `patch` conflicting: the first file that neither applies nor reverses
+        on its own (a hand edit, another release), judged in the direction most of the patch's
+        files take; else, files split between the two (a half-applied patch), the first file on
+        the smaller side. "" when no single file can be named."""
+        applied, stock, neither = [], [], []
+        staged: dict[str, str | None] = dict(base or {})
+        for fp in patch.files:
+            before = staged[fp.path] if fp.path in staged else self.read(fp.path)
+            try:
+                staged[fp.path] = apply_file(fp, before, reverse=False)
+                stock.append(fp.path)
+                continue
+            except Conflict as e:
+                forward = e
+            try:
+                apply_file(fp, before, reverse=True)
+                applied.append(fp.path)
+            except Conflict as e:
+                neither.append((forward, e))
+        if neither:
+            forward, backward = neither[0]
+            if len(applied) > len(stock):
+                return f"{backward} (the patch's changes do not reverse there: edited since it was applied?)"
+            return str(forward)
+        if applied and stock:
+            few, many = (applied, "applied") if len(applied) <= len(stock) else (stock, "not applied")
+            return f"{few[0]} is {many} while the patch's other files are not (half applied)"
+        return ""
 
     def stage(self, patch: Patch, reverse: bool) -> None:
         self.current.update(self.try_patch(patch, reverse))
@@ -830,7 +875,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.unlink(path)
 
 
@@ -1345,6 +1390,7 @@ def rebase_series(
     new_release: str,
     log=print,
     work: str | None = None,
+    drop_removed: bool = False,
 ) -> tuple[list[Carried], list[MergeConflict], list[str]]:
     """Carry `patches` (in series order, already checked to apply on `base`) onto `new`.
 
@@ -1356,12 +1402,18 @@ def rebase_series(
     With `work`, a file that needs a hand is resolved by WORK/<patch>/<path> when that file
     exists without conflict markers; otherwise it is written there, merged, with diff3-style
     markers around each conflict, for the user to edit.
+
+    With `drop_removed`, the sections of files the new release no longer has are dropped (each
+    named in the log). A file whose merge equals the new release's file gets no section (an
+    empty `diff --git` section is not a patch git accepts); a patch left with no section at all
+    is left out of the series, named in the log.
     """
     carried: list[Carried] = []
     conflicts: list[MergeConflict] = []
     skipped: list[str] = []
     failed_patches: set[str] = set()
     failed_files: set[str] = set()
+    emptied: set[str] = set()
     base_stage: dict[str, str | None] = {}
     new_stage: dict[str, str | None] = {}
     for patch in patches:
@@ -1369,7 +1421,12 @@ def rebase_series(
         touched = {fp.path for fp in patch.files}
         if blocked or touched & failed_files:
             why = f"requires {blocked[0]}" if blocked else f"edits {sorted(touched & failed_files)[0]}"
-            skipped.append(f"{patch.name}: not tried, it {why}, which needs a hand first")
+            what = (
+                "was left out (nothing of it is left to carry)"
+                if blocked and blocked[0] in emptied
+                else ("needs a hand first")
+            )
+            skipped.append(f"{patch.name}: not tried, it {why}, which {what}")
             failed_patches.add(patch.name)
             continue
         after = base.try_patch(patch, reverse=False, base=base_stage)
@@ -1394,7 +1451,17 @@ def rebase_series(
             if resolved is not None:
                 how[fp.path] = "resolved by hand"
                 result[fp.path] = resolved
-                out_sections.append(file_diff(fp.path, b, resolved))
+                if resolved != b:
+                    out_sections.append(file_diff(fp.path, b, resolved))
+                else:
+                    log(f"  {patch.name}: {fp.path} resolved to vLLM {new_release}'s file as it is: no section")
+                continue
+            if b is None and o is not None and drop_removed:
+                how[fp.path] = "dropped"
+                log(
+                    f"  {patch.name}: dropped the {len(fp.hunks)} hunk(s) of {fp.path}, which vLLM {new_release} "
+                    "does not have (--drop-removed)"
+                )
                 continue
             before_conflicts = len(mine)
             if o is None:  # the patch creates the file
@@ -1420,7 +1487,8 @@ def rebase_series(
                             (hunk.old_start, hunk.old_lines),
                             None,
                             (hunk.old_start, hunk.new_lines),
-                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream)",
+                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream; "
+                            "--drop-removed drops such a file's hunks)",
                         )
                     )
                 continue
@@ -1471,12 +1539,22 @@ def rebase_series(
             merged_text = "".join(merged)
             how[fp.path] = "merged"
             result[fp.path] = merged_text
-            out_sections.append(file_diff(fp.path, b, merged_text))
+            if merged_text != b:
+                out_sections.append(file_diff(fp.path, b, merged_text))
+            else:
+                log(f"  {patch.name}: vLLM {new_release} already has this change to {fp.path}: no section")
         if mine:
             conflicts.extend(mine)
             failed_patches.add(patch.name)
             failed_files.update(c.path for c in mine)
             log(f"  {patch.name}: {len(mine)} hunk(s) need a hand")
+            continue
+        if not out_sections:
+            log(f"  {patch.name}: nothing left to carry (vLLM {new_release} has it all, or it was dropped); left out")
+            emptied.add(patch.name)
+            failed_patches.add(patch.name)
+            base_stage.update(after)
+            new_stage.update(result)
             continue
         header = texts[patch.name][: texts[patch.name].find("diff --git ")]
         header = _retarget_header(header, old_release, new_release)
@@ -1697,7 +1775,9 @@ def command_rebase(args) -> int:
         print(
             f"  also carrying {', '.join(sorted(extra, key=list(by_name).index))} (required by the patches asked for)"
         )
-    carried, conflicts, skipped = rebase_series(chosen, texts, base, new, old_release, new_release, work=args.work)
+    carried, conflicts, skipped = rebase_series(
+        chosen, texts, base, new, old_release, new_release, work=args.work, drop_removed=args.drop_removed
+    )
     if conflicts or skipped:
         print(report_conflicts(conflicts, old_release, new_release, args.max_lines), file=sys.stderr)
         for line in skipped:
@@ -1747,7 +1827,11 @@ def compute_states(tree: Tree, patches: list[Patch]) -> dict[str, tuple[str, str
     by_name = {p.name: p for p in patches}
     states: dict[str, tuple[str, str]] = {}
     unwound: dict[str, str | None] = {}
+    # The files as they were before the applied patches after each one: a patch is judged on
+    # them (a later applied patch's edits in a file it shares are not its conflict).
+    later: dict[str, dict[str, str | None]] = {}
     for patch in reversed(patches):
+        later[patch.name] = dict(unwound)
         state, _ = tree.state(patch, unwound)
         if state == APPLIED:
             states[patch.name] = (APPLIED, "")
@@ -1756,14 +1840,14 @@ def compute_states(tree: Tree, patches: list[Patch]) -> dict[str, tuple[str, str
         if patch.name in states:
             continue
         pending = _pending_requires(patch, by_name, states)
-        base: dict[str, str | None] = {}
+        base: dict[str, str | None] = dict(later[patch.name])
         blocked = ""
         for req in pending:
             if states[req][0] != NOT_APPLIED:
                 blocked = f"{req} is {states[req][0]}"
                 break
             base.update(tree.try_patch(by_name[req], reverse=False, base=base))
-        state, detail = tree.state(patch, base if not blocked else None)
+        state, detail = tree.state(patch, base if not blocked else later[patch.name])
         if state == APPLIED:  # reverses on the current files but not in stack order
             state, detail = CONFLICTING, "its changes are present but a later patch no longer reverses"
         if state == CONFLICTING and blocked:
@@ -1950,6 +2034,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", metavar="DIR", help="folder for the rebased series (default: PATCHES_DIR/vllm-<target release>)"
     )
     p_rebase.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    p_rebase.add_argument(
+        "--drop-removed",
+        action="store_true",
+        help="drop the hunks of files the new release no longer has (each named), instead of reporting them "
+        "as needing a hand",
+    )
     p_rebase.add_argument(
         "--work",
         metavar="DIR",
