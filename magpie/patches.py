@@ -1800,7 +1800,8 @@ def command_rebase(args) -> int:
     for item in carried:
         reparsed = parse_patch(item.patch.name, item.text)
         staged = check.try_patch(reparsed, reverse=False, base=check.current)
-        if any(staged[path] != item.files[path] for path in item.files):
+        # A file the patch has no section for (its merge is upstream's file) must be as it is.
+        if any((staged[path] if path in staged else check.read(path)) != text for path, text in item.files.items()):
             raise ToolError(f"internal error: the rebased {item.patch.name} does not reproduce the merge")
         check.current.update(staged)
     files = {item.patch.name: item.text for item in carried}
