@@ -19,14 +19,19 @@ file does everything but `refresh` and `check-sources`, which read the one sourc
 the patches create (magpie/vllm_modules/ of the checkout).
 
 Everything is checked before anything changes: an apply or revert that cannot go through
-completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not).
+completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not). The
+files are written as one set through a journal (.magpie-patches.journal beside vllm/): SIGINT,
+SIGTERM and SIGHUP wait until the set is written, and a run killed outright is rolled back by
+the next run on the tree. One run at a time per tree: a second waits (--wait SECONDS, default
+60), then is refused naming the first.
 Standard library only, and no `git apply`: git run inside another repository's work tree (a
 venv inside a project) silently skips paths outside it.
 
 Exit codes: 0 success; 1 the request cannot be carried out (conflict, missing prerequisite,
-with `status --require-applied`: a selected patch is not applied); 2 usage or target error;
-3 (`status`) a patch is conflicting; 141 the reader of stdout stopped early (`| head`), as for
-a process killed by SIGPIPE. A `revert` of every applied patch is refused (1) while a patch is
+the target locked by another run, with `status --require-applied`: a selected patch is not
+applied); 2 usage or target error; 3 (`status`) a patch is conflicting; 130/143 interrupted by
+SIGINT/SIGTERM; 141 the reader of stdout stopped early (`| head`), as for a process killed by
+SIGPIPE. A `revert` of every applied patch is refused (1) while a patch is
 conflicting: the tree would be neither stock nor patched.
 """
 
@@ -955,7 +960,7 @@ def write_set(root: str, texts: dict[str, str | None]) -> None:
                     old = _side(root, rel, _OLD)
                     _unlink(old)
                     try:
-                        os.link(path, old)
+                        os.link(path, old, follow_symlinks=False)
                     except OSError:
                         shutil.copy2(path, old)
                     _step(f"{rel} kept aside")
@@ -1487,8 +1492,8 @@ def rebase_series(
                             (hunk.old_start, hunk.old_lines),
                             None,
                             (hunk.old_start, hunk.new_lines),
-                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream; "
-                            "--drop-removed drops such a file's hunks)",
+                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream); "
+                            "--drop-removed drops such a file's hunks",
                         )
                     )
                 continue
