@@ -19,23 +19,30 @@ file does everything but `refresh` and `check-sources`, which read the one sourc
 the patches create (magpie/vllm_modules/ of the checkout).
 
 Everything is checked before anything changes: an apply or revert that cannot go through
-completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not).
+completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not). The
+files are written as one set through a journal (.magpie-patches.journal beside vllm/): SIGINT,
+SIGTERM and SIGHUP wait until the set is written, and a run killed outright is rolled back by
+the next run on the tree. One run at a time per tree: a second waits (--wait SECONDS, default
+60), then is refused naming the first.
 Standard library only, and no `git apply`: git run inside another repository's work tree (a
 venv inside a project) silently skips paths outside it.
 
 Exit codes: 0 success; 1 the request cannot be carried out (conflict, missing prerequisite,
-with `status --require-applied`: a selected patch is not applied); 2 usage or target error;
-3 (`status`) a patch is conflicting; 141 the reader of stdout stopped early (`| head`), as for
-a process killed by SIGPIPE. A `revert` of every applied patch is refused (1) while a patch is
+the target locked by another run, with `status --require-applied`: a selected patch is not
+applied); 2 usage or target error; 3 (`status`) a patch is conflicting; 130/143 interrupted by
+SIGINT/SIGTERM; 141 the reader of stdout stopped early (`| head`), as for a process killed by
+SIGPIPE. A `revert` of every applied patch is refused (1) while a patch is
 conflicting: the tree would be neither stock nor patched.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import difflib
+import fcntl
 import glob
 import hashlib
 import json
@@ -43,9 +50,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The series an installed package carries (setup.py copies the checkout's patches/ there).
@@ -263,6 +272,11 @@ def parse_patch(name: str, text: str) -> Patch:
             if i < len(lines) and lines[i].startswith("\\"):
                 i += 1
             hunks.append(Hunk(header, int(m.group(1)), old, new))
+        if not hunks and old_exists and new_exists:
+            raise ToolError(
+                f"{name}: the section for {path} changes nothing (a `diff --git` section without hunks, which "
+                "`git apply` rejects as garbage): delete that section from the patch"
+            )
         files.append(FilePatch(path, old_exists, new_exists, hunks))
     return Patch(name, fields, requires, files)
 
@@ -349,14 +363,17 @@ def extract_created(folders: list[str], output: str) -> list[str]:
 # magpie/vllm_modules/ (same file name): `refresh` writes the hunks from the sources, `check-sources`
 # fails when a hunk differs from what its source generates. What differs between releases sits in
 # one `# [release X.Y.Z]` ... `# [release end]` section of the source; the file a series ships keeps
-# the lines of its own release (the Target of the patch) and drops the others and the markers.
+# the lines of its own release (the Target of the patch) and drops the others and the markers. A
+# release without a block of its own takes the nearest older release's (a new release needs no
+# edit here unless what it needs differs).
 MODULES_DIR = os.path.join(_HERE, "vllm_modules")
 _RELEASE_MARK = re.compile(r"^# \[release (?P<what>\d+(?:\.\d+)*|end)\]$")
 
 
 def render_module(text: str, release: str, source: str = "module") -> str:
     """`text` (a module source) as the series of vLLM `release` ships it: the lines of that
-    release's `# [release ...]` block kept, every other release's block and the markers dropped."""
+    release's `# [release ...]` block kept (no block of its own: the nearest older release's),
+    every other release's block and the markers dropped."""
     out, block, seen = [], None, []
     for lineno, line in enumerate(text.splitlines(keepends=True), 1):
         mark = _RELEASE_MARK.match(line.rstrip("\n"))
@@ -377,10 +394,14 @@ def render_module(text: str, release: str, source: str = "module") -> str:
     if block is not None:
         raise ToolError(f"{source}: the `# [release {block}]` block has no `# [release end]`")
     if seen and release not in seen:
-        raise ToolError(
-            f"{source}: no `# [release {release}]` block (it has {', '.join(seen)}): add the lines vLLM "
-            f"{release} needs there"
-        )
+        older = [what for what in seen if _release_key(what) < _release_key(release)]
+        if not older:
+            raise ToolError(
+                f"{source}: no `# [release {release}]` block and none for an older release (it has "
+                f"{', '.join(seen)}): add the lines vLLM {release} needs there"
+            )
+        # A release without a block of its own ships the nearest older release's lines.
+        return render_module(text, max(older, key=_release_key), source)
     return "".join(out)
 
 
@@ -472,7 +493,10 @@ such file is written to DIR/<patch>/<path>, merged, with diff3-style markers aro
 (<<<<<<< the new release, ||||||| the old one, ======= the patch's side, >>>>>>>). Edit them
 (every marker removed) and run the same command again: a file there without markers is taken as
 that patch's version of the file, and the patches after it are carried on top of it. Without
---work nothing at all is written.
+--work nothing at all is written. A file the new release no longer has: --drop-removed drops the
+patch's hunks of it (each file named) instead. No file section of the output is ever empty: a
+file whose merge (or hand resolution) equals the new release's file gets none, and a patch left
+with no section is left out of the series, said so.
 
     python3 tests/env/fetch_sdist.py 0.29.0 ~/sdist        # a pristine base tree (or a checkout)
     magpie/patches.py rebase --base ~/sdist/vllm-0.29.0 --python ~/venvs/vllm-0.31/bin/python
@@ -742,7 +766,37 @@ class Tree:
             return APPLIED, ""
         if forward_ok:
             return NOT_APPLIED, ""
-        return CONFLICTING, forward_error
+        return CONFLICTING, self._culprit(patch, base) or forward_error
+
+    def _culprit(self, patch: Patch, base: dict[str, str | None] | None) -> str:
+        """Which file makes `patch` conflicting: the first file that neither applies nor reverses
+        on its own (a hand edit, another release), judged in the direction most of the patch's
+        files take; else, files split between the two (a half-applied patch), the first file on
+        the smaller side. "" when no single file can be named."""
+        applied, stock, neither = [], [], []
+        staged: dict[str, str | None] = dict(base or {})
+        for fp in patch.files:
+            before = staged[fp.path] if fp.path in staged else self.read(fp.path)
+            try:
+                staged[fp.path] = apply_file(fp, before, reverse=False)
+                stock.append(fp.path)
+                continue
+            except Conflict as e:
+                forward = e
+            try:
+                apply_file(fp, before, reverse=True)
+                applied.append(fp.path)
+            except Conflict as e:
+                neither.append((forward, e))
+        if neither:
+            forward, backward = neither[0]
+            if len(applied) > len(stock):
+                return f"{backward} (the patch's changes do not reverse there: edited since it was applied?)"
+            return str(forward)
+        if applied and stock:
+            few, many = (applied, "applied") if len(applied) <= len(stock) else (stock, "not applied")
+            return f"{few[0]} is {many} while the patch's other files are not (half applied)"
+        return ""
 
     def stage(self, patch: Patch, reverse: bool) -> None:
         self.current.update(self.try_patch(patch, reverse))
@@ -751,7 +805,8 @@ class Tree:
         return sorted(rel for rel, text in self.current.items() if text != self.original.get(rel))
 
     def commit(self) -> list[str]:
-        """Write every changed file; on any failure restore what was already written."""
+        """Write every changed file as one change set (see write_set): all of it or none of it,
+        a signal or a failure part-way included."""
         changed = self.changed()
         for rel in changed:
             target_dir = os.path.dirname(os.path.join(self.root, rel))
@@ -760,44 +815,312 @@ class Tree:
                 probe = os.path.dirname(probe)
             if not os.access(probe, os.W_OK):
                 raise ToolError(f"cannot write {os.path.join(self.root, rel)}: permission denied")
-        done: list[str] = []
-        try:
-            for rel in changed:
-                _write(self.root, rel, self.current[rel])
-                done.append(rel)
-        except OSError as e:
-            failed = rel
-            for written in done:
-                _write(self.root, written, self.original[written])
-            raise ToolError(
-                f"writing {os.path.join(self.root, failed)} failed ({e}); the files already written were restored"
-            ) from e
+        if changed:
+            write_set(self.root, {rel: self.current[rel] for rel in changed})
         return changed
 
 
-def _write(root: str, rel: str, text: str | None) -> None:
+# --------------------------------------------------------------------------------------------
+# Writing a change set: a journal, then the renames, all or nothing
+#
+# write_set() first writes JOURNAL in the target's root (the files it will change, phase
+# "staging"), then beside each file its new text (.magpie-patches-new.NAME) and a hard link to
+# (or copy of) the file as it is (.magpie-patches-old.NAME); then the journal's phase becomes
+# "committing" and each new file is renamed over its file; then "done", the side files are
+# removed, and the journal last. SIGINT, SIGTERM and SIGHUP arriving meanwhile are held until
+# the set is written. Killed outright (SIGKILL, a power cut), the journal stays: the next run on
+# the tree (any command with a target) rolls a "staging" or "committing" set back and finishes a
+# "done" one before doing anything else (recover()).
+
+JOURNAL = ".magpie-patches.journal"
+LOCK_INFO = ".magpie-patches.lock"
+_NEW, _OLD = ".magpie-patches-new.", ".magpie-patches-old."
+# Test hook (tests/test_patch_tool_safety.py): "N:SIGNAL" sends SIGNAL to this process after step
+# N of a change set (write_set and recover count their steps from 1).
+TEST_SIGNAL_ENV = "MAGPIE_PATCHES_TEST_SIGNAL_AFTER"
+_steps = [0]
+
+
+def _step(what: str) -> None:
+    _steps[0] += 1
+    hook = os.environ.get(TEST_SIGNAL_ENV, "")
+    if hook:
+        number, _, name = hook.partition(":")
+        if number.strip() == str(_steps[0]):
+            print(f"test hook: {name} after step {_steps[0]} ({what})", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), getattr(signal, name))
+
+
+def _side(root: str, rel: str, prefix: str) -> str:
     path = os.path.join(root, rel)
-    # A stale bytecode file could outlive a same-size, same-second edit: drop it.
-    stem = os.path.splitext(os.path.basename(rel))[0]
-    for pyc in glob.glob(os.path.join(os.path.dirname(path), "__pycache__", f"{glob.escape(stem)}.*.pyc")):
-        os.unlink(pyc)
-    if text is None:
-        if os.path.exists(path):
-            os.unlink(path)
-        return
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".magpie-patch-")
+    return os.path.join(os.path.dirname(path), prefix + os.path.basename(path))
+
+
+def _write_journal(root: str, record: dict) -> None:
+    path = os.path.join(root, JOURNAL)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: str) -> None:
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        os.unlink(path)
+
+
+def _drop_pyc(path: str) -> None:
+    # A stale bytecode file could outlive a same-size, same-second edit: drop it.
+    stem = os.path.splitext(os.path.basename(path))[0]
+    for pyc in glob.glob(os.path.join(os.path.dirname(path), "__pycache__", f"{glob.escape(stem)}.*.pyc")):
+        _unlink(pyc)
+
+
+class _HeldSignals:
+    """Hold SIGINT, SIGTERM and SIGHUP while a change set is written; `received` lists them."""
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __enter__(self):
+        self.received: list[int] = []
+        self.previous = {}
+        for name in self.SIGNALS:
+            number = getattr(signal, name)
+            with contextlib.suppress(ValueError, OSError):  # not the main thread: nothing to hold
+                self.previous[number] = signal.signal(number, lambda signum, frame: self.received.append(signum))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        HELD_SIGNALS.extend(self.received)
+
+
+# Signals held during a change set, for main() to report once the set is written.
+HELD_SIGNALS: list[int] = []
+
+
+def write_set(root: str, texts: dict[str, str | None]) -> None:
+    """Write `texts` (relative path -> new text, None: delete) under `root` all at once."""
+    rels = sorted(texts)
+    made_dirs: list[str] = []
+    for rel in rels:
+        if texts[rel] is None:
+            continue
+        missing, probe = [], os.path.dirname(os.path.join(root, rel))
+        while not os.path.exists(probe):
+            missing.append(probe)
+            probe = os.path.dirname(probe)
+        made_dirs += [os.path.relpath(d, root) for d in reversed(missing) if os.path.relpath(d, root) not in made_dirs]
+    entries = [
+        {"path": rel, "existed": os.path.lexists(os.path.join(root, rel)), "delete": texts[rel] is None} for rel in rels
+    ]
+    record = {"tool": "magpie/patches.py", "pid": os.getpid(), "phase": "staging", "entries": entries}
+    record["made_dirs"] = made_dirs
+    with _HeldSignals():
+        try:
+            _write_journal(root, record)
+        except OSError as e:
+            _unlink(os.path.join(root, JOURNAL + ".tmp"))
+            raise ToolError(
+                f"cannot write the journal {os.path.join(root, JOURNAL)} ({e.strerror}); nothing was changed"
+            ) from None
+        _step("journal written: staging")
+        failed = None
+        try:
+            for rel in rels:
+                failed = rel
+                path = os.path.join(root, rel)
+                if texts[rel] is not None:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    new = _side(root, rel, _NEW)
+                    mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644
+                    with open(new, "w", encoding="utf-8", newline="") as f:
+                        f.write(texts[rel])
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.chmod(new, mode)
+                    _step(f"new text of {rel} staged")
+                if os.path.lexists(path):
+                    old = _side(root, rel, _OLD)
+                    _unlink(old)
+                    try:
+                        os.link(path, old, follow_symlinks=False)
+                    except OSError:
+                        shutil.copy2(path, old)
+                    _step(f"{rel} kept aside")
+            failed = None
+            record["phase"] = "committing"
+            _write_journal(root, record)
+            _step("journal: committing")
+            for rel in rels:
+                failed = rel
+                path = os.path.join(root, rel)
+                _drop_pyc(path)
+                if texts[rel] is None:
+                    _unlink(path)
+                else:
+                    os.replace(_side(root, rel, _NEW), path)
+                _step(f"{rel} {'deleted' if texts[rel] is None else 'replaced'}")
+            failed = None
+            for directory in {os.path.dirname(os.path.join(root, rel)) for rel in rels}:
+                _fsync_dir(directory)
+            record["phase"] = "done"
+            _write_journal(root, record)
+            _step("journal: done")
+        except OSError as e:
+            where = os.path.join(root, failed) if failed else os.path.join(root, JOURNAL)
+            try:
+                _roll(root, record, quiet=True)
+            except OSError as again:
+                raise ToolError(
+                    f"writing {where} failed ({e}), and so did undoing it ({again}); the journal "
+                    f"{os.path.join(root, JOURNAL)} stays: run the same command again once the cause is fixed"
+                ) from e
+            raise ToolError(
+                f"writing {where} failed ({e}); the files already written were restored, nothing was changed"
+            ) from e
+        _finish(root, record)
+
+
+def _finish(root: str, record: dict) -> None:
+    """The last steps of a written set: its side files removed, then the journal."""
+    for entry in record["entries"]:
+        _unlink(_side(root, entry["path"], _NEW))
+        _unlink(_side(root, entry["path"], _OLD))
+        _step(f"side files of {entry['path']} removed")
+    _unlink(os.path.join(root, JOURNAL))
+    _fsync_dir(root)
+    _step("journal removed")
+
+
+def _roll(root: str, record: dict, quiet: bool = False) -> str:
+    """Undo a set that was not written to the end ("staging", "committing"), or finish one that
+    was ("done"). Each step can be repeated: a recovery cut short is taken up again next time."""
+    if record.get("phase") == "done":
+        _finish(root, record)
+        return "finished"
+    for entry in record["entries"]:
+        path = os.path.join(root, entry["path"])
+        old, new = _side(root, entry["path"], _OLD), _side(root, entry["path"], _NEW)
+        if record.get("phase") == "committing":
+            if entry["existed"]:
+                if os.path.lexists(old):
+                    _drop_pyc(path)
+                    os.replace(old, path)  # both links of one file: rename leaves `old`; removed below
+            elif os.path.lexists(path):
+                _drop_pyc(path)
+                os.unlink(path)
+        _unlink(new)
+        _unlink(old)
+        _step(f"{entry['path']} restored")
+    for rel in reversed(record.get("made_dirs", [])):
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(root, rel))
+    _unlink(os.path.join(root, JOURNAL))
+    _unlink(os.path.join(root, JOURNAL + ".tmp"))
+    _fsync_dir(root)
+    _step("journal removed")
+    return "rolled back"
+
+
+def recover(root: str) -> str | None:
+    """Complete or roll back a change set an earlier run left (its journal); say which, or None."""
+    path = os.path.join(root, JOURNAL)
+    _unlink_quietly = os.path.lexists(path + ".tmp") and not os.path.lexists(path)
+    if _unlink_quietly:  # killed while writing the first journal: nothing else was written
+        with contextlib.suppress(OSError):
+            os.unlink(path + ".tmp")
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        if not isinstance(record, dict) or not isinstance(record.get("entries"), list):
+            raise ValueError("not a journal of this tool")
+        for entry in record["entries"]:
+            rel = entry["path"]
+            if os.path.isabs(rel) or os.pardir in rel.split(os.sep):
+                raise ValueError(f"path {rel!r} outside the tree")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ToolError(
+            f"{path}: an interrupted change set's journal that cannot be read ({e}); reinstall vLLM (or check "
+            "the release out again), then delete the journal"
+        ) from None
+    with _HeldSignals():
+        try:
+            how = _roll(root, record)
+        except OSError as e:
+            raise ToolError(
+                f"{path}: an earlier run was interrupted mid-change and undoing it failed ({e}); fix the cause "
+                "(permissions, space) and run again"
+            ) from None
+    print(
+        f"note: an earlier run (pid {record.get('pid', '?')}) was interrupted while it changed {root}; "
+        f"its change set was {how} ({len(record['entries'])} file(s))",
+        file=sys.stderr,
+    )
+    return how
+
+
+@contextlib.contextmanager
+def locked(root: str, wait: float, command: str):
+    """Hold the target's lock (flock on its root folder) for the whole command: two runs on one
+    tree take turns. Waits up to `wait` seconds, then refuses naming the holder."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise ToolError(f"cannot open {root} to lock it: {e.strerror}") from None
+    info = os.path.join(root, LOCK_INFO)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    try:
+                        with open(info, encoding="utf-8") as f:
+                            holder = f.read().strip() or "a process that did not say who it is"
+                    except OSError:
+                        holder = "a process that did not say who it is"
+                    raise Refusal(
+                        f"{root} is locked by another magpie/patches.py run ({holder}); waited {wait:g} s: "
+                        "run again when it ends, or give it longer with --wait SECONDS"
+                    ) from None
+                time.sleep(min(0.1, max(deadline - time.monotonic(), 0.01)))
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")  # noqa: UP017
+        wrote_info = False
+        try:
+            with open(info + ".tmp", "w", encoding="utf-8") as f:
+                f.write(f"pid {os.getpid()}, `{command}` since {stamp}\n")
+            os.replace(info + ".tmp", info)
+            wrote_info = True
+        except OSError:
+            pass  # a read-only tree: the lock holds all the same
+        try:
+            yield
+        finally:
+            if wrote_info:
+                _unlink(info)
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -846,7 +1169,18 @@ def find_target(target: str | None, python: str | None) -> Target:
             raise ToolError(
                 f"--python {python}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'failed'}"
             )
-        package_dir = proc.stdout.strip()
+        reported = proc.stdout.strip().splitlines()
+        package_dir = reported[-1].strip() if reported else ""
+        if (
+            not package_dir
+            or not os.path.isabs(package_dir)
+            or not os.path.isfile(os.path.join(package_dir, "__init__.py"))
+        ):
+            said = f"printed {package_dir!r}" if package_dir else "printed nothing"
+            raise ToolError(
+                f"--python {python}: it did not report an installed vllm package ({said}); give the Python "
+                "of the venv that has vLLM (VENV/bin/python, where `python -c 'import vllm'` works), or --target DIR"
+            )
         root = os.path.dirname(package_dir)
         return Target(root, "installed package", _version_of(root))
     if not target:
@@ -1061,6 +1395,7 @@ def rebase_series(
     new_release: str,
     log=print,
     work: str | None = None,
+    drop_removed: bool = False,
 ) -> tuple[list[Carried], list[MergeConflict], list[str]]:
     """Carry `patches` (in series order, already checked to apply on `base`) onto `new`.
 
@@ -1072,12 +1407,18 @@ def rebase_series(
     With `work`, a file that needs a hand is resolved by WORK/<patch>/<path> when that file
     exists without conflict markers; otherwise it is written there, merged, with diff3-style
     markers around each conflict, for the user to edit.
+
+    With `drop_removed`, the sections of files the new release no longer has are dropped (each
+    named in the log). A file whose merge equals the new release's file gets no section (an
+    empty `diff --git` section is not a patch git accepts); a patch left with no section at all
+    is left out of the series, named in the log.
     """
     carried: list[Carried] = []
     conflicts: list[MergeConflict] = []
     skipped: list[str] = []
     failed_patches: set[str] = set()
     failed_files: set[str] = set()
+    emptied: set[str] = set()
     base_stage: dict[str, str | None] = {}
     new_stage: dict[str, str | None] = {}
     for patch in patches:
@@ -1085,7 +1426,12 @@ def rebase_series(
         touched = {fp.path for fp in patch.files}
         if blocked or touched & failed_files:
             why = f"requires {blocked[0]}" if blocked else f"edits {sorted(touched & failed_files)[0]}"
-            skipped.append(f"{patch.name}: not tried, it {why}, which needs a hand first")
+            what = (
+                "was left out (nothing of it is left to carry)"
+                if blocked and blocked[0] in emptied
+                else ("needs a hand first")
+            )
+            skipped.append(f"{patch.name}: not tried, it {why}, which {what}")
             failed_patches.add(patch.name)
             continue
         after = base.try_patch(patch, reverse=False, base=base_stage)
@@ -1110,7 +1456,17 @@ def rebase_series(
             if resolved is not None:
                 how[fp.path] = "resolved by hand"
                 result[fp.path] = resolved
-                out_sections.append(file_diff(fp.path, b, resolved))
+                if resolved != b:
+                    out_sections.append(file_diff(fp.path, b, resolved))
+                else:
+                    log(f"  {patch.name}: {fp.path} resolved to vLLM {new_release}'s file as it is: no section")
+                continue
+            if b is None and o is not None and drop_removed:
+                how[fp.path] = "dropped"
+                log(
+                    f"  {patch.name}: dropped the {len(fp.hunks)} hunk(s) of {fp.path}, which vLLM {new_release} "
+                    "does not have (--drop-removed)"
+                )
                 continue
             before_conflicts = len(mine)
             if o is None:  # the patch creates the file
@@ -1136,7 +1492,8 @@ def rebase_series(
                             (hunk.old_start, hunk.old_lines),
                             None,
                             (hunk.old_start, hunk.new_lines),
-                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream)",
+                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream); "
+                            "--drop-removed drops such a file's hunks",
                         )
                     )
                 continue
@@ -1187,12 +1544,22 @@ def rebase_series(
             merged_text = "".join(merged)
             how[fp.path] = "merged"
             result[fp.path] = merged_text
-            out_sections.append(file_diff(fp.path, b, merged_text))
+            if merged_text != b:
+                out_sections.append(file_diff(fp.path, b, merged_text))
+            else:
+                log(f"  {patch.name}: vLLM {new_release} already has this change to {fp.path}: no section")
         if mine:
             conflicts.extend(mine)
             failed_patches.add(patch.name)
             failed_files.update(c.path for c in mine)
             log(f"  {patch.name}: {len(mine)} hunk(s) need a hand")
+            continue
+        if not out_sections:
+            log(f"  {patch.name}: nothing left to carry (vLLM {new_release} has it all, or it was dropped); left out")
+            emptied.add(patch.name)
+            failed_patches.add(patch.name)
+            base_stage.update(after)
+            new_stage.update(result)
             continue
         header = texts[patch.name][: texts[patch.name].find("diff --git ")]
         header = _retarget_header(header, old_release, new_release)
@@ -1413,7 +1780,9 @@ def command_rebase(args) -> int:
         print(
             f"  also carrying {', '.join(sorted(extra, key=list(by_name).index))} (required by the patches asked for)"
         )
-    carried, conflicts, skipped = rebase_series(chosen, texts, base, new, old_release, new_release, work=args.work)
+    carried, conflicts, skipped = rebase_series(
+        chosen, texts, base, new, old_release, new_release, work=args.work, drop_removed=args.drop_removed
+    )
     if conflicts or skipped:
         print(report_conflicts(conflicts, old_release, new_release, args.max_lines), file=sys.stderr)
         for line in skipped:
@@ -1436,7 +1805,8 @@ def command_rebase(args) -> int:
     for item in carried:
         reparsed = parse_patch(item.patch.name, item.text)
         staged = check.try_patch(reparsed, reverse=False, base=check.current)
-        if any(staged[path] != item.files[path] for path in item.files):
+        # A file the patch has no section for (its merge is upstream's file) must be as it is.
+        if any((staged[path] if path in staged else check.read(path)) != text for path, text in item.files.items()):
             raise ToolError(f"internal error: the rebased {item.patch.name} does not reproduce the merge")
         check.current.update(staged)
     files = {item.patch.name: item.text for item in carried}
@@ -1463,7 +1833,11 @@ def compute_states(tree: Tree, patches: list[Patch]) -> dict[str, tuple[str, str
     by_name = {p.name: p for p in patches}
     states: dict[str, tuple[str, str]] = {}
     unwound: dict[str, str | None] = {}
+    # The files as they were before the applied patches after each one: a patch is judged on
+    # them (a later applied patch's edits in a file it shares are not its conflict).
+    later: dict[str, dict[str, str | None]] = {}
     for patch in reversed(patches):
+        later[patch.name] = dict(unwound)
         state, _ = tree.state(patch, unwound)
         if state == APPLIED:
             states[patch.name] = (APPLIED, "")
@@ -1472,14 +1846,14 @@ def compute_states(tree: Tree, patches: list[Patch]) -> dict[str, tuple[str, str
         if patch.name in states:
             continue
         pending = _pending_requires(patch, by_name, states)
-        base: dict[str, str | None] = {}
+        base: dict[str, str | None] = dict(later[patch.name])
         blocked = ""
         for req in pending:
             if states[req][0] != NOT_APPLIED:
                 blocked = f"{req} is {states[req][0]}"
                 break
             base.update(tree.try_patch(by_name[req], reverse=False, base=base))
-        state, detail = tree.state(patch, base if not blocked else None)
+        state, detail = tree.state(patch, base if not blocked else later[patch.name])
         if state == APPLIED:  # reverses on the current files but not in stack order
             state, detail = CONFLICTING, "its changes are present but a later patch no longer reverses"
         if state == CONFLICTING and blocked:
@@ -1587,6 +1961,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the root with one vllm-<release>/ series folder per release, or one series folder (default: %(default)s)",
     )
     common.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with a target: how long to wait for another run on the same tree to end (default: %(default)g)",
+    )
+    common.add_argument(
         "--series",
         metavar="RELEASE",
         help="use this release's series (e.g. 0.33.0) instead of the one matching the target's vLLM version",
@@ -1659,6 +2040,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", metavar="DIR", help="folder for the rebased series (default: PATCHES_DIR/vllm-<target release>)"
     )
     p_rebase.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    p_rebase.add_argument(
+        "--drop-removed",
+        action="store_true",
+        help="drop the hunks of files the new release no longer has (each named), instead of reporting them "
+        "as needing a hand",
+    )
     p_rebase.add_argument(
         "--work",
         metavar="DIR",
@@ -1824,14 +2211,56 @@ COMMANDS = {
 TARGET_COMMANDS = {"status": command_status, "check": command_apply, "apply": command_apply, "revert": command_revert}
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP outside a change set (SIGINT raises KeyboardInterrupt)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in TARGET_COMMANDS and not 0 <= args.wait <= 86400:
+        print(f"error: --wait {args.wait:g}: give seconds from 0 to 86400", file=sys.stderr)
+        return 2
+    previous = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            previous[getattr(signal, name)] = signal.signal(getattr(signal, name), _raise_interrupted)
+    try:
+        status = _main(args)
+        if HELD_SIGNALS:
+            name = signal.Signals(HELD_SIGNALS[0]).name
+            print(
+                f"error: {name} arrived while the files were being written; the change set was finished "
+                "first (above), then the run stopped",
+                file=sys.stderr,
+            )
+            return 128 + HELD_SIGNALS[0]
+        return status
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"error: interrupted by {signal.Signals(signum).name}; nothing was changed", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _main(args) -> int:
     target = None
     try:
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
         target = find_target(args.target, args.python)
-        return TARGET_COMMANDS[args.command](args, target)
+        with locked(target.root, args.wait, args.command):
+            recover(target.root)
+            return TARGET_COMMANDS[args.command](args, target)
     except NoSeries as e:
         where = (
             f"--python {shlex.quote(args.python)}" if args.python else f"--target {shlex.quote(args.target or 'DIR')}"

@@ -349,6 +349,7 @@ def test_each_module_the_series_create_is_what_its_one_source_generates():
         ("0.29.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
         ("0.33.0", "vllm/models/qwen4_exp/common/ple_mmap.py"): "ple_mmap.py",
         ("0.33.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
+        ("0.34.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
     }
 
 
@@ -381,8 +382,14 @@ def test_a_release_section_is_checked_when_a_module_is_generated():
     text = "a = 1\n# [release 0.29.0]\nb = 2\n# [release 0.33.0]\nb = 3\n# [release end]\nc = 4\n"
     assert patches.render_module(text, "0.29.0") == "a = 1\nb = 2\nc = 4\n"
     assert patches.render_module(text, "0.33.0") == "a = 1\nb = 3\nc = 4\n"
-    with pytest.raises(patches.ToolError, match=r"m.py: no `# \[release 0.31.0\]` block \(it has 0.29.0, 0.33.0\)"):
-        patches.render_module(text, "0.31.0", "m.py")
+    # A release without a block of its own takes the nearest older release's; none older: refused.
+    assert patches.render_module(text, "0.31.0") == patches.render_module(text, "0.29.0")
+    assert patches.render_module(text, "0.34.0") == patches.render_module(text, "0.33.0")
+    assert patches.render_module(text, "0.33.1") == patches.render_module(text, "0.33.0")
+    with pytest.raises(
+        patches.ToolError, match=r"m.py: no `# \[release 0.28.0\]` block and none for an older release \(it has"
+    ):
+        patches.render_module(text, "0.28.0", "m.py")
     with pytest.raises(patches.ToolError, match="has no `# \\[release end\\]`"):
         patches.render_module("# [release 0.29.0]\nb = 2\n", "0.29.0", "m.py")
     with pytest.raises(patches.ToolError, match="m.py:1: `# \\[release end\\]` without"):

@@ -4,7 +4,9 @@ Each file here is the one source of a module that patches create (a new-file hun
 same file name: `ple_mmap.py` in ple_ssd 0001 of 0.29.0 and 0.33.0, `draft_vocab.py` in
 mtp_pruning 0001 of both). What differs between vLLM releases sits in the module's one
 `# [release X.Y.Z]` ... `# [release end]` section; the file a series ships keeps the lines of
-its own release. `magpie/patches.py refresh` rewrites the hunks from these files,
+its own release, or, for a release with no block of its own, the nearest older release's (so a
+new release whose modules need nothing new is added without an edit here: 0.34.0 takes 0.33.0's).
+`magpie/patches.py refresh` rewrites the hunks from these files,
 `magpie/patches.py check-sources` fails when a hunk and its source disagree (tests run it).
 The files follow vLLM's style, not this project's: `tests/lint.sh patches` lints them with
 each release's ruff settings (the project's ruff skips this folder). Imported as they are,
