@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from magpie import patches
+from magpie import patches, releases
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "magpie" / "patches.py"
@@ -86,7 +86,7 @@ def test_status_on_a_release_without_series_names_the_series_and_the_rebase_comm
     assert proc.returncode == 2
     assert proc.stdout == ""
     err = proc.stderr
-    assert "no series for vLLM 0.30.0; series exist for vLLM 0.29.0, 0.33.0." in err
+    assert f"no series for vLLM 0.30.0; series exist for vLLM {', '.join(releases.series_releases())}." in err
     # The nearest series (0.29.0), with the user's own target in commands they can paste.
     assert f"magpie/patches.py check --series 0.29.0 --target {tree}" in err
     assert f"magpie/patches.py rebase --series 0.29.0 --base PRISTINE-0.29.0-TREE --target {tree}" in err
