@@ -568,6 +568,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.command}: give the command after --")
     if args.command == "exec":
         return cgroup.exec_limited(args.max, cmd)
+    if args.command == "run":  # before --log is opened: a refused start writes nothing
+        try:
+            supervisor.check_run(args)
+        except supervisor.RunRefused as e:
+            print(f"memguard run: error: {e}", file=sys.stderr)
+            return supervisor.REFUSED
+        if args.check:
+            return 0
     try:
         log = open_log(args.log)
     except OSError as e:

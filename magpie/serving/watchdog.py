@@ -192,7 +192,8 @@ class Watchdog:
         return tuple(sums[name] for name in PROGRESS)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`watchdog`'s parser (`memguard run` checks --watchdog-args with it before it starts anything)."""
     parser = cli.parser("magpie watchdog", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("watch", help="watch one server")
@@ -223,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--server-log", help="the server's output: uvicorn's start-up line there starts the judging (serve.sh: LOG)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")  # urllib asks a proxy unless told: the server is local
     try:
         log = open_log(args.log)
