@@ -31,6 +31,7 @@ TP=N: ...` naming each mismatch; the table goes to stdout, the whole report to -
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -471,6 +472,8 @@ def connect_bounded(connect, host: str, port: int, timeout: float):
         why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
         raise ConnectionError(f"cannot reach {address} ({why} within {timeout:g} s)") from None
     os.environ["RAY_ADDRESS"] = address  # no other cluster (`auto`, an earlier session's) is tried
+    with contextlib.suppress(ImportError):
+        import ray  # noqa: F401 - imported outside the timed part: its import alone takes seconds
     outcome: list = []
 
     def attempt() -> None:

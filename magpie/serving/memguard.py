@@ -50,9 +50,14 @@ controller available to us), `exec` starts a command under a hard memory limit i
 a GB10 escape it, so it complements the guard and does not replace it.)
 
 Exit codes of `watch`: 0 the server exited by itself; 3 the guard stopped it; 2 usage error
-(no such process, the PID is the guard's own process group). `run`: the command's exit status
-(128 + N for a signal N), 3 when the guard stopped it, 4 when the watchdog stopped it (and no
-restart was left), 5 when its engine died (the reason is printed), 2 when it could not be started.
+(no such process, the PID is the guard's own process group, a threshold out of its range:
+magpie/serving/bounds.py); 6 this user may not signal the server (one line; no stop is claimed);
+1 a file it reads or writes fails. `run`: the command's exit status (128 + N for a signal N), 3
+when the guard stopped it, 4 when the watchdog stopped it (and no restart was left), 5 when its
+engine died (the reason is printed), 7 when the watchdog died while the server ran (the server is
+stopped), 2 when it could not be started or refused to start (its options, the watchdog's
+--watchdog-args, a --pid-file that is not ours: magpie/serving/pidfile.py; `run --check` checks
+these and starts nothing).
 `exec` replaces itself with the command; it exits 2 without running anything when no hard
 limit can be set (the message says why).
 """
@@ -550,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             help="stop the server under this MemAvailable (under this machine's MemTotal)",
         )
         sub_parser.add_argument(
-            "--grace", type=bounds.seconds(0, 3600), default=30.0, help="seconds between SIGTERM and SIGKILL"
+            "--grace", type=bounds.seconds(0), default=30.0, help="seconds between SIGTERM and SIGKILL"
         )
         sub_parser.add_argument(
             "--interval", type=bounds.seconds(0.05, 3600), default=0.5, help="seconds between two readings"

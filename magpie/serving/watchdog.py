@@ -32,7 +32,9 @@ the server again after a `stop`.
 A long prefill moves no token counter until it completes (vLLM 0.29 counts prompt tokens when
 the first output token exists): set `--stall-after` above the longest prefill you serve.
 
-Exit codes: 0 the server exited by itself; 4 the watchdog stopped it; 2 usage error.
+Exit codes: 0 the server exited by itself; 4 the watchdog stopped it; 2 usage error (a value out
+of its range names the flag: magpie/serving/bounds.py); 6 this user may not signal the server (one
+line; no stop is claimed); 1 a file it writes fails.
 """
 
 from __future__ import annotations
@@ -219,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--probe-timeout", type=bounds.seconds(1, 3600), default=60.0, help="seconds a probe may take")
     p.add_argument("--on-stall", choices=("stop", "report"), default="stop", help="the policy")
-    p.add_argument("--grace", type=bounds.seconds(0, 3600), default=30.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--grace", type=bounds.seconds(0), default=30.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--log", type=bounds.log_file, help="append messages to this file (default: stderr)")
     p.add_argument(
         "--server-log", help="the server's output: uvicorn's start-up line there starts the judging (serve.sh: LOG)"
