@@ -44,7 +44,7 @@ ENGINE_DEATH = re.compile(
 GUARD_STOPPED = 3  # the memory guard's status when it stopped the server (`memguard watch` exits with it)
 WATCHDOG_STOPPED = 4  # the watchdog's status when it stopped the server (`watchdog watch` exits with it)
 ENGINE_DIED = 5  # `run`'s status when the engine died (the API server's own status is 0)
-WATCHDOG_DIED = 7  # `run`'s status when the watchdog it started died while the server ran (it is stopped)
+WATCHDOG_DIED = 7  # `run`'s status when the watchdog or the guard died while the server ran (it is stopped)
 REFUSED = 2  # `run`'s status when it refused to start (bad options, a pid file that is not ours)
 
 
@@ -99,7 +99,7 @@ class Supervisor:
         self.term_sent_at: float | None = None
         self.engine_death: str | None = None
         self.served = False
-        self.watchdog_died: int | None = None
+        self.helper_died: str | None = None  # the watchdog or the memory guard died while the server ran
 
     def say(self, message: str) -> None:
         print(f"memguard run: {message}", file=sys.stderr, flush=True)
@@ -170,7 +170,17 @@ class Supervisor:
             guard = self.guard(pid)
         except ProcessLookupError:  # it has already ended (and been reaped)
             return None, status
-        thread = threading.Thread(target=lambda: status.append(guard.run()), daemon=True)
+
+        def guard_run() -> None:
+            try:
+                status.append(guard.run())
+            except Exception as e:  # noqa: BLE001 - any failure: the server must not run on unguarded
+                self.helper_died = f"the memory guard failed ({type(e).__name__}: {e})"
+                self.log(f"{self.helper_died} while server PID {pid} runs: stopping the server")
+                self.on_signal(signal.SIGTERM, None)
+                self.stopping = False  # not a stop asked for: outcome() reports it
+
+        thread = threading.Thread(target=guard_run, daemon=True)
         thread.start()
         return thread, status
 
@@ -200,7 +210,7 @@ class Supervisor:
         `served` say what its output said."""
         output = self.args.output or self.args.server_log
         follower = LogFollower(output, from_start=False) if output else None
-        self.engine_death, self.served, self.watchdog_died = None, False, None
+        self.engine_death, self.served, self.helper_died = None, False, None
         child = self.child = self.start()
         guard_thread, guard_status = self.start_guard(child.pid)
         watchdog = self.watchdog(child.pid)
@@ -222,7 +232,7 @@ class Supervisor:
                 self.on_signal(signal.SIGTERM, None)
                 self.stopping = False  # not a stop asked for: outcome() reports it
         if watchdog_died is not None:
-            self.watchdog_died = watchdog_died
+            self.helper_died = f"the watchdog died (status {watchdog_died})"
         exited = time.monotonic()
         self.group_left(child.pid, self.term_sent_at if self.term_sent_at is not None else exited)
         self.read_output(follower)
@@ -249,8 +259,8 @@ class Supervisor:
     def outcome(self, status: int, guard_status: int, watchdog_status: int, restarts: int) -> int | None:
         """`run`'s status after one start of the command, or None for a restart."""
         where = f"; its reason is in {self.args.log}" if self.args.log else ""
-        if self.watchdog_died is not None:
-            self.say(f"the watchdog died (status {self.watchdog_died}); the server was stopped{where}")
+        if self.helper_died is not None:
+            self.say(f"{self.helper_died}; the server was stopped{where}")
             return WATCHDOG_DIED
         if guard_status == GUARD_STOPPED:
             self.say(f"the memory guard stopped the server{where} ([memguard] lines)")
@@ -345,5 +355,11 @@ def check_run(args: argparse.Namespace) -> None:
         folder = os.path.dirname(os.path.abspath(args.pid_file))
         if not os.access(folder, os.W_OK):
             raise RunRefused(f"--pid-file {args.pid_file}: cannot write in {folder}")
+    if not getattr(args, "no_guard", True):
+        try:
+            with open(args.meminfo) as f:
+                f.read(1)
+        except OSError as e:
+            raise RunRefused(f"{args.meminfo}: {e.strerror} (the memory guard reads it)") from None
     if args.output and os.path.isdir(args.output):
         raise RunRefused(f"--output {args.output} is a folder; give the file the command's output goes to")

@@ -185,6 +185,34 @@ def test_a_watchdog_that_dies_stops_the_server(tmp_path):
     assert "the watchdog exited with status -9" in log.read_text()
 
 
+def test_a_memory_guard_that_fails_stops_the_server(tmp_path):
+    # The guard reads --meminfo every interval: a file that vanishes under it (here, deleted) ended
+    # the guard's thread with a traceback while the server ran on unguarded.
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(Path("/proc/meminfo").read_text())
+    log = tmp_path / "run.log"
+    supervisor = subprocess.Popen(
+        [*tool("memguard"), "run", "--meminfo", str(meminfo), "--kernel-log", "none", "--grace", "5"]
+        + ["--interval", "0.2", "--log", str(log), "--", "sleep", "300"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "guarding server PID" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server = int(log.read_text().split("guarding server PID ")[1].split()[0])
+        meminfo.unlink()
+        status = supervisor.wait(timeout=60)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+    assert status == 7, supervisor.stderr.read()
+    assert pgroup.start_time(server) is None, "the server runs on without its memory guard"
+    assert "the memory guard failed (FileNotFoundError" in log.read_text()
+
+
 # --------------------------------------------------------------------------------------------
 # a guard that may not signal its server
 
