@@ -39,7 +39,8 @@
 #   WATCHDOG_ARGS=          more `watchdog.py watch` options (--stall-after, --probe-interval, ...)
 #   JIT_CHECK=auto          require ninja + nvcc for FlashInfer's JIT: auto (when an NVIDIA GPU is visible), 1, 0
 #   WORKDIR=                the server's working directory (default: a new empty one, removed if still empty)
-#   PID_FILE=LOG.pid        holds the server's PID (it leads its own process group)
+#   PID_FILE=LOG.pid        holds the server's PID (it leads its own process group); a file there that is
+#                           not a stale pid file of ours is refused and left as it is
 #   STOP_GRACE=30           seconds a stopping server gets after SIGTERM before its group gets SIGKILL
 #   OVERWRITE=0             1 = replace an existing LOG
 #
