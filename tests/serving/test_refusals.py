@@ -152,6 +152,7 @@ def test_watchdog_args_it_cannot_start_with_refuse_the_start(tmp_path):
 
 def test_a_watchdog_that_dies_stops_the_server(tmp_path):
     log = tmp_path / "run.log"
+    server = None
     supervisor = subprocess.Popen(
         [*tool("memguard"), "run", "--no-guard", "--grace", "5", "--log", str(log), "--watchdog", "stop"]
         + ["--watchdog-url", f"http://127.0.0.1:{free_port()}", "--", "sleep", "300"],
@@ -180,6 +181,8 @@ def test_a_watchdog_that_dies_stops_the_server(tmp_path):
         if supervisor.poll() is None:
             supervisor.kill()
             supervisor.wait()
+        if server:  # on a failure, the server the supervisor left (its own session)
+            pgroup.signal_group(server, signal.SIGKILL)
     assert status == 7, supervisor.stderr.read()
     assert pgroup.start_time(server) is None, "the server runs on without its watchdog"
     assert "the watchdog exited with status -9" in log.read_text()
@@ -191,6 +194,7 @@ def test_a_memory_guard_that_fails_stops_the_server(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(Path("/proc/meminfo").read_text())
     log = tmp_path / "run.log"
+    server = None
     supervisor = subprocess.Popen(
         [*tool("memguard"), "run", "--meminfo", str(meminfo), "--kernel-log", "none", "--grace", "5"]
         + ["--interval", "0.2", "--log", str(log), "--", "sleep", "300"],
@@ -208,6 +212,8 @@ def test_a_memory_guard_that_fails_stops_the_server(tmp_path):
         if supervisor.poll() is None:
             supervisor.kill()
             supervisor.wait()
+        if server:  # on a failure, the server the supervisor left (its own session)
+            pgroup.signal_group(server, signal.SIGKILL)
     assert status == 7, supervisor.stderr.read()
     assert pgroup.start_time(server) is None, "the server runs on without its memory guard"
     assert "the memory guard failed (FileNotFoundError" in log.read_text()
