@@ -367,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         return cluster_check.run(args, connect)
     if args.role == "push-keep-set":
         host, port = split_address(args.head)
-        ray = connect(f"{host}:{port}")
+        try:
+            ray = cluster_check.connect_bounded(connect, host, port, 30.0)
+        except (ConnectionError, TimeoutError) as e:
+            print(f"error: cluster push-keep-set: no Ray cluster at {host}:{port}: {e}", file=sys.stderr, flush=True)
+            os._exit(1)
         reports = push_keep_set(ray, os.path.abspath(args.path), args.force)
         ray.shutdown()
         print_reports(reports)

@@ -31,6 +31,7 @@ TP=N: ...` naming each mismatch; the table goes to stdout, the whole report to -
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,6 +39,8 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 from magpie import ROOT, files
@@ -456,14 +459,55 @@ def check(ray, args) -> tuple[dict, list[str]]:
     return {"reports": reports, "clocks": clocks, "collective": bench}, problems
 
 
-def run(args, connect) -> int:
+def connect_bounded(connect, host: str, port: int, timeout: float):
+    """CONNECT(host:port) within TIMEOUT seconds, to that address only: a TCP connection to it is
+    tried first (nothing listening: refused at once), then Ray's own connect runs in a thread while
+    Ray's retry lines (its C++ core writes them to the standard error) go to a scratch file. Raises
+    ConnectionError with one line when either fails or the time runs out."""
+    address = f"{host}:{port}"
     try:
-        ray = connect(f"{args.head_ip}:{args.port}")
-    except Exception as e:  # Ray's ConnectionError and friends: the address is the finding
-        print(
-            f"error: cluster check: no Ray cluster at {args.head_ip}:{args.port}: {e}".splitlines()[0], file=sys.stderr
-        )
-        return 1
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise ConnectionError(f"cannot reach {address} ({why} within {timeout:g} s)") from None
+    os.environ["RAY_ADDRESS"] = address  # no other cluster (`auto`, an earlier session's) is tried
+    with contextlib.suppress(ImportError):
+        import ray  # noqa: F401 - imported outside the timed part: its import alone takes seconds
+    outcome: list = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(connect(address))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            outcome.append(e)
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as scratch:
+        os.dup2(scratch.fileno(), 2)
+        try:
+            thread = threading.Thread(target=attempt, daemon=True)
+            thread.start()
+            thread.join(timeout)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    if not outcome:
+        raise TimeoutError(f"Ray at {address} did not accept the connection within {timeout:g} s (--connect-timeout)")
+    if isinstance(outcome[0], BaseException):
+        raise ConnectionError(f"{address}: {outcome[0]}".splitlines()[0])
+    return outcome[0]
+
+
+def run(args, connect) -> int:
+    timeout = getattr(args, "connect_timeout", 30.0)
+    try:
+        ray = connect_bounded(connect, args.head_ip, args.port, timeout)
+    except (ConnectionError, TimeoutError) as e:  # the address is the finding
+        print(f"error: cluster check: no Ray cluster at {args.head_ip}:{args.port}: {e}", file=sys.stderr, flush=True)
+        # Ray's connect may still retry in its own threads: end here, not when they give up.
+        os._exit(1)
     try:
         data, problems = check(ray, args)
     finally:
@@ -482,6 +526,7 @@ def run(args, connect) -> int:
 
 def add_arguments(p, default_port: int) -> None:
     from magpie import cli
+    from magpie.serving import bounds
 
     p.add_argument("--head", required=True, metavar="IP[:PORT]", help=f"the head node (port {default_port})")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = hosts to compare (default: %(default)s)")
@@ -498,3 +543,5 @@ def add_arguments(p, default_port: int) -> None:
     p.add_argument("--min-gbps", type=float, default=0.0, help="refuse under this bandwidth; 0 = report only "
                    "(default: %(default)s)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write the whole report here")
+    p.add_argument("--connect-timeout", type=bounds.seconds(1, 600), default=30.0,
+                   help="seconds to reach the head's Ray before giving up (default: %(default)s)")  # fmt: skip

@@ -586,6 +586,18 @@ def check_model_config(model: str) -> None:
         raise Refused(f"MODEL={model}: {path} holds a JSON {type(config).__name__}, not an object of model settings")
 
 
+def check_mem_hard_limit(value: str) -> None:
+    """MEM_HARD_LIMIT: empty (no limit) or a size `memguard exec --max` accepts, above zero."""
+    if not value:
+        return
+    try:
+        size = cli.parse_size(value)
+    except argparse.ArgumentTypeError:
+        size = 0
+    if size <= 0:
+        raise Refused(f"MEM_HARD_LIMIT={value}: expected a memory size such as 110GiB (or empty for no limit)")
+
+
 def check_log_writable(log: str) -> None:
     """LOG, LOG.launch.json and LOG.pid are written in LOG's folder: try it before any other work."""
     folder = os.path.dirname(log)
@@ -681,6 +693,7 @@ def plan(args: argparse.Namespace) -> int:
     log = os.path.abspath(args.log)
     caller_cwd = os.getcwd()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    check_mem_hard_limit(args.mem_hard_limit)  # `memguard exec --max` reads it only after LOG is written
     check_log_writable(log)
 
     model = _env("MODEL")

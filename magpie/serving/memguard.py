@@ -50,9 +50,14 @@ controller available to us), `exec` starts a command under a hard memory limit i
 a GB10 escape it, so it complements the guard and does not replace it.)
 
 Exit codes of `watch`: 0 the server exited by itself; 3 the guard stopped it; 2 usage error
-(no such process, the PID is the guard's own process group). `run`: the command's exit status
-(128 + N for a signal N), 3 when the guard stopped it, 4 when the watchdog stopped it (and no
-restart was left), 5 when its engine died (the reason is printed), 2 when it could not be started.
+(no such process, the PID is the guard's own process group, a threshold out of its range:
+magpie/serving/bounds.py); 6 this user may not signal the server (one line; no stop is claimed);
+1 a file it reads or writes fails. `run`: the command's exit status (128 + N for a signal N), 3
+when the guard stopped it, 4 when the watchdog stopped it (and no restart was left), 5 when its
+engine died (the reason is printed), 7 when the watchdog died while the server ran (the server is
+stopped), 2 when it could not be started or refused to start (its options, the watchdog's
+--watchdog-args, a --pid-file that is not ours: magpie/serving/pidfile.py; `run --check` checks
+these and starts nothing).
 `exec` replaces itself with the command; it exits 2 without running anything when no hard
 limit can be set (the message says why).
 """
@@ -72,7 +77,7 @@ import sys
 import time
 
 from magpie import cli
-from magpie.serving import cgroup, pgroup, supervisor
+from magpie.serving import bounds, cgroup, pgroup, supervisor
 from magpie.serving.logs import OWN_LINES, Log, LogFollower, open_log
 
 # Lines of the NVIDIA driver, the CUDA runtime and PyTorch that report the GPU side running out of
@@ -483,8 +488,18 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
         help="what a driver error line makes the guard do",
     )
     parser.add_argument("--psi-file", default="/proc/pressure/memory", help="the memory pressure file, or none")
-    parser.add_argument("--max-psi-full", type=float, default=20.0, help="stop at this PSI full avg10 (%%); 0 = off")
-    parser.add_argument("--warn-psi-some", type=float, default=10.0, help="warn at this PSI some avg10 (%%); 0 = off")
+    parser.add_argument(
+        "--max-psi-full",
+        type=bounds.number(float, 1, 100, zero=True, what=" %"),
+        default=20.0,
+        help="stop at this PSI full avg10 (%%); 0 = off",
+    )
+    parser.add_argument(
+        "--warn-psi-some",
+        type=bounds.number(float, 1, 100, zero=True, what=" %"),
+        default=10.0,
+        help="warn at this PSI some avg10 (%%); 0 = off",
+    )
     parser.add_argument(
         "--max-swap-growth", type=cli.parse_size, default="4GiB", help="stop when swap in use grows this much; 0 = off"
     )
@@ -497,7 +512,9 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
         default="0",
         help="stop when a GPU reports less free memory; 0 = report only",
     )
-    parser.add_argument("--gpu-interval", type=float, default=5.0, help="seconds between two GPU memory readings")
+    parser.add_argument(
+        "--gpu-interval", type=bounds.seconds(0.1), default=5.0, help="seconds between two GPU memory readings"
+    )
     parser.add_argument(
         "--cache-drop-min",
         type=cli.parse_size,
@@ -505,9 +522,14 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
         help="warn when Cached falls this much at once; 0 = off",
     )
     parser.add_argument(
-        "--cache-drop-fraction", type=float, default=0.5, help="... and by at least this fraction of its recent peak"
+        "--cache-drop-fraction",
+        type=bounds.number(float, 0, 1),
+        default=0.5,
+        help="... and by at least this fraction of its recent peak",
     )
-    parser.add_argument("--cache-drop-window", type=float, default=10.0, help="seconds the drop must happen within")
+    parser.add_argument(
+        "--cache-drop-window", type=bounds.seconds(1), default=10.0, help="seconds the drop must happen within"
+    )
     parser.add_argument("--meminfo", default="/proc/meminfo", help=argparse.SUPPRESS)  # tests give a file of their own
 
 
@@ -521,15 +543,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("magpie memguard", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p_watch = sub.add_parser("watch", help="stop the server with PID when memory runs short (see the signals above)")
-    p_watch.add_argument("--pid", type=int, required=True, help="the server's PID (its process group if it leads one)")
+    p_watch.add_argument(
+        "--pid", type=bounds.pid, required=True, help="the server's PID (its process group if it leads one)"
+    )
     p_run = sub.add_parser("run", help="start a command in its own session and guard it")
     for sub_parser in (p_watch, p_run):
         sub_parser.add_argument(
-            "--min-available", type=cli.parse_size, default="6GiB", help="stop the server under this MemAvailable"
+            "--min-available",
+            type=bounds.size(cli.parse_size, below_mem_total=True),
+            default="6GiB",
+            help="stop the server under this MemAvailable (under this machine's MemTotal)",
         )
-        sub_parser.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
-        sub_parser.add_argument("--interval", type=float, default=0.5, help="seconds between two readings")
-        sub_parser.add_argument("--log", help="append messages to this file (default: stderr)")
+        sub_parser.add_argument(
+            "--grace", type=bounds.seconds(0), default=30.0, help="seconds between SIGTERM and SIGKILL"
+        )
+        sub_parser.add_argument(
+            "--interval", type=bounds.seconds(0.05, 3600), default=0.5, help="seconds between two readings"
+        )
+        sub_parser.add_argument("--log", type=bounds.log_file, help="append messages to this file (default: stderr)")
         add_watch_options(sub_parser)
     supervisor.add_run_options(p_run)
     p_exec = sub.add_parser("exec", help="run a command under a cgroup v2 hard memory limit")
@@ -542,7 +573,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.command}: give the command after --")
     if args.command == "exec":
         return cgroup.exec_limited(args.max, cmd)
-    log = open_log(args.log)
+    if args.command == "run":  # before --log is opened: a refused start writes nothing
+        try:
+            supervisor.check_run(args)
+        except supervisor.RunRefused as e:
+            print(f"memguard run: error: {e}", file=sys.stderr)
+            return supervisor.REFUSED
+        if args.check:
+            return 0
+    try:
+        log = open_log(args.log)
+    except OSError as e:
+        print(f"memguard: error: --log {args.log}: {e.strerror}", file=sys.stderr)
+        return 1
     if args.command == "run":
 
         def guard(pid: int) -> Guard:

@@ -32,7 +32,9 @@ from collections.abc import Callable
 from magpie.cli import format_size, run_until_stopped
 
 __all__ = [
+    "CANNOT_SIGNAL",
     "KILL_WAIT_S",
+    "CannotSignal",
     "Server",
     "group_members",
     "group_of",
@@ -43,6 +45,7 @@ __all__ = [
     "watch",
 ]
 
+CANNOT_SIGNAL = 6  # a watcher's status when it may not signal its server (another user's process)
 KILL_WAIT_S = 30  # how long a group may take to empty after SIGKILL (the kernel frees big mappings slowly)
 
 
@@ -92,6 +95,27 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+class CannotSignal(Exception):
+    """This process may not signal the server (it belongs to another user): a stop would do nothing."""
+
+
+def _may_signal(pid: int) -> None:
+    """CannotSignal unless this process may send signals to PID (kill(2) with signal 0 checks it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    except PermissionError:
+        try:
+            owner = os.stat(f"/proc/{pid}").st_uid
+        except OSError:
+            owner = "?"
+        raise CannotSignal(
+            f"PID {pid} belongs to uid {owner} and this user (uid {os.getuid()}) may not signal it: run the "
+            "watcher as that user or as root"
+        ) from None
 
 
 def signal_group(pgid: int, *signums: int) -> None:
@@ -162,13 +186,23 @@ def stop_group(
 def watch(tool: str, make: Callable[[], object]) -> int:
     """A watcher's `main` once its options are read: MAKE() the watcher of one server (the memory
     guard, the watchdog) and run it until it returns or is stopped (cli.run_until_stopped); 2 with
-    one line when the PID names no process or one in this process's group."""
+    one line when the PID names no process or one in this process's group, CANNOT_SIGNAL (6) when
+    this user may not signal the server (at the start, or when a stop was due: never a "stopped"
+    line for a server that runs on), 1 when a file it reads or writes fails."""
     try:
         watcher = make()
-    except (ProcessLookupError, PermissionError) as e:
-        print(f"{tool}: error: {e}", file=sys.stderr)
-        return 2
-    return run_until_stopped(watcher.run)
+        return run_until_stopped(watcher.run)
+    except CannotSignal as e:
+        print(f"{tool}: error: cannot stop the server: {e}", file=sys.stderr)
+        return CANNOT_SIGNAL
+    except OSError as e:
+        if e.filename:  # a file it reads or writes: --log, --meminfo, --server-log, ...
+            print(f"{tool}: error: {e.filename}: {e.strerror}", file=sys.stderr)
+            return 1
+        if isinstance(e, (ProcessLookupError, PermissionError)):  # no such PID, or one of our own group
+            print(f"{tool}: error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 class Server:
@@ -182,6 +216,7 @@ class Server:
         self.started = start_time(pid)
         if self.started is None:
             raise ProcessLookupError(f"--pid {pid}: no such process")
+        _may_signal(pid)
         own_group = os.getpgrp() if own_group is None else own_group
         pgid = os.getpgid(pid)
         deadline = time.monotonic() + 5
@@ -201,12 +236,17 @@ class Server:
     def signal(self, signum: int) -> None:
         """SIGNUM to the server's group, or to the server alone; nothing once the server is gone (its
         PID may name another process by then) unless it leads a group with members left."""
-        if self.group is not None:
-            if self.alive() or group_members(self.group):
-                signal_group(self.group, signum)
-        elif self.alive():
-            with contextlib.suppress(ProcessLookupError):
+        try:
+            if self.group is not None:
+                if self.alive() or group_members(self.group):
+                    os.killpg(self.group, signum)
+            elif self.alive():
                 os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            _may_signal(self.pid)
+            raise CannotSignal(f"{self.target()}: a member may not be signalled by this user") from None
 
     def target(self) -> str:
         return f"process group {self.group}" if self.group is not None else f"process {self.pid}"
@@ -232,5 +272,9 @@ class Server:
             if self.alive():  # else only workers the server forked linger in its group
                 log(f"server PID {self.pid} still alive after {grace:g} s: SIGKILL to {self.target()}")
 
-        _sequence(self.signal, self.alive, self.members, grace, None, True, on_kill)
+        try:
+            _sequence(self.signal, self.alive, self.members, grace, None, True, on_kill)
+        except CannotSignal as e:
+            log(f"{who} could NOT stop server PID {self.pid}: {e}; it still runs")
+            raise
         log(f"server PID {self.pid} stopped by {who}")

@@ -23,6 +23,7 @@ stopped by --min-available.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import glob
@@ -53,21 +54,71 @@ def gib(size: float) -> str:
     return f"{size / 1024**3:.2f} GiB"
 
 
+# The safetensors format's own bound on a header (its reference reader refuses larger ones): a
+# header length is read from the file's first 8 bytes, so without a bound a damaged or hostile file
+# asks for any amount of memory (1 TiB: a MemoryError).
+MAX_HEADER = 100_000_000
+
+
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"ple_warmup.py: error: {message}")
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """A safetensors file's header (a JSON object) and where its data starts; SystemExit with one
+    line for a file that is not one (too short, a header length over MAX_HEADER or the file, not
+    JSON)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise _fail(f"{path}: {size} bytes, too short for a safetensors file")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > MAX_HEADER or 8 + header_len > size:
+                raise _fail(
+                    f"{path}: its header claims {header_len} bytes (the file has {size}; safetensors allows at most "
+                    f"{MAX_HEADER}): not a valid safetensors file"
+                )
+            raw = f.read(header_len)
+    except OSError as e:
+        raise _fail(f"{path}: {e.strerror}") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _fail(f"{path}: its header is not JSON ({e}): not a valid safetensors file") from None
+    if not isinstance(header, dict):
+        raise _fail(f"{path}: its header is not a JSON object: not a valid safetensors file")
+    return header, 8 + header_len
+
+
 def table_ranges(model: str, pattern: str) -> list[tuple[str, str, int, int]]:
     """(file, tensor, start, end) byte ranges of the table's tensors, from the safetensors headers."""
-    files = sorted(glob.glob(os.path.join(model, "*.safetensors")))
+    if not os.path.isdir(model):
+        raise _fail(f"{model}: no such folder (give the checkpoint folder)")
+    files = sorted(glob.glob(os.path.join(glob.escape(model), "*.safetensors")))
     if not files:
-        raise SystemExit(f"ple_warmup.py: error: no *.safetensors file in {model}")
-    regex = re.compile(pattern)
+        raise _fail(f"no *.safetensors file in {model}")
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise _fail(f"--pattern {pattern!r}: not a regular expression ({e})") from None
     ranges = []
     for path in files:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        data_start = 8 + header_len
+        header, data_start = read_header(path)
+        size = os.path.getsize(path)
         for name, info in header.items():
             if name != "__metadata__" and regex.search(name):
-                begin, end = info["data_offsets"]
+                offsets = info.get("data_offsets") if isinstance(info, dict) else None
+                if (
+                    not isinstance(offsets, list)
+                    or len(offsets) != 2
+                    or not all(isinstance(x, int) for x in offsets)
+                    or not 0 <= offsets[0] <= offsets[1]
+                    or data_start + offsets[1] > size
+                ):
+                    raise _fail(f"{path}: tensor {name}: data_offsets {offsets!r} do not lie within the file")
+                begin, end = offsets
                 ranges.append((path, name, data_start + begin, data_start + end))
     if not ranges:
         raise SystemExit(f"ple_warmup.py: error: no tensor of {model} matches --pattern {pattern!r}")
@@ -204,6 +255,19 @@ def evict(ranges) -> None:
             os.close(fd)
 
 
+def _at_least(low: int, high: int | None = None):
+    """A size (cli.parse_size) of at least LOW bytes (and at most HIGH): `--chunk 0` reads nothing."""
+
+    def parse(text: str) -> int:
+        value = cli.parse_size(text)
+        if value < low or (high is not None and value > high):
+            bound = f"from {low} bytes to {cli.format_size(high)}" if high is not None else f"at least {low} byte(s)"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {bound}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("magpie ple-warmup", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -218,11 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--pattern", default=DEFAULT_PATTERN, help="regular expression for the table's tensor names")
         p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
         if name == "warm":
-            p.add_argument("--budget", type=cli.parse_size, required=True, help="at most this many bytes of the table")
+            p.add_argument("--budget", type=_at_least(1), required=True, help="at most this many bytes of the table")
             p.add_argument(
                 "--min-available", type=cli.parse_size, default="8GiB", help="stop when MemAvailable falls under this"
             )
-            p.add_argument("--chunk", type=cli.parse_size, default="16MiB", help="bytes per read")
+            p.add_argument("--chunk", type=_at_least(PAGE, 1 << 30), default="16MiB", help="bytes per read")
             p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = parser.parse_args(argv)
     ranges = table_ranges(args.model, args.pattern)

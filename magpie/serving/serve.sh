@@ -39,7 +39,8 @@
 #   WATCHDOG_ARGS=          more `watchdog.py watch` options (--stall-after, --probe-interval, ...)
 #   JIT_CHECK=auto          require ninja + nvcc for FlashInfer's JIT: auto (when an NVIDIA GPU is visible), 1, 0
 #   WORKDIR=                the server's working directory (default: a new empty one, removed if still empty)
-#   PID_FILE=LOG.pid        holds the server's PID (it leads its own process group)
+#   PID_FILE=LOG.pid        holds the server's PID (it leads its own process group); a file there that is
+#                           not a stale pid file of ours is refused and left as it is
 #   STOP_GRACE=30           seconds a stopping server gets after SIGTERM before its group gets SIGKILL
 #   OVERWRITE=0             1 = replace an existing LOG
 #
@@ -49,9 +50,11 @@
 # Two GB10s, tensor parallel over Ray: docs/serving.md has the recipe.
 #
 # serve.sh stays in the foreground until the server exits. Exit status: 0 the server stopped
-# cleanly after a stop; 1 a refused start; 3 the memory guard stopped it; 4 the watchdog stopped it
-# and no restart was left; 5 its engine died (WATCHDOG=restart starts it again, if it had served);
-# 128 + N it died of signal N; else vLLM's own status. SIGINT or SIGTERM stops the server's process
+# cleanly after a stop; 1 a refused start (nothing written: a bad variable, MEMGUARD_ARGS,
+# WATCHDOG_ARGS, MEM_HARD_LIMIT, a PID_FILE that is not ours); 3 the memory guard stopped it; 4 the
+# watchdog stopped it and no restart was left; 5 its engine died (WATCHDOG=restart starts it again,
+# if it had served); 7 the watchdog died while the server ran (the server is stopped); 128 + N it
+# died of signal N; else vLLM's own status. SIGINT or SIGTERM stops the server's process
 # group (SIGKILL after STOP_GRACE seconds if it is still there). The top of LOG records the exact
 # command, the profile, the environment, the versions and the patch status; LOG.launch.json holds
 # the same as data (the run manifest).
@@ -96,11 +99,15 @@ WATCHDOG_ARGS=${WATCHDOG_ARGS:-}
 PID_FILE=${PID_FILE:-$log.pid}
 STOP_GRACE=${STOP_GRACE:-30}
 
-[[ $PORT =~ ^[0-9]+$ ]] || die "PORT=$PORT: expected a port number"
+if ! [[ $PORT =~ ^[0-9]{1,5}$ ]] || ((10#$PORT < 1 || 10#$PORT > 65535)); then
+  die "PORT=$PORT: expected a port number from 1 to 65535"
+fi
 [[ $MEMGUARD =~ ^[01]$ ]] || die "MEMGUARD=$MEMGUARD: expected 1 or 0"
 [[ $WATCHDOG =~ ^(stop|restart|report|0)$ ]] || die "WATCHDOG=$WATCHDOG: expected stop, restart, report or 0"
 [[ $WATCHDOG_RESTARTS =~ ^[0-9]+$ ]] || die "WATCHDOG_RESTARTS=$WATCHDOG_RESTARTS: expected a number"
-[[ $STOP_GRACE =~ ^[0-9]+$ ]] || die "STOP_GRACE=$STOP_GRACE: expected a number of seconds"
+if ! [[ $STOP_GRACE =~ ^[0-9]{1,5}$ ]] || ((10#$STOP_GRACE > 86400)); then
+  die "STOP_GRACE=$STOP_GRACE: expected a whole number of seconds from 0 to 86400"
+fi
 read -r -a memguard_args <<<"$MEMGUARD_ARGS"
 
 # ---- the vLLM environment
@@ -121,21 +128,12 @@ if ! command -v nvcc >/dev/null && [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cu
 fi
 export PATH
 
-if [ -f "$PID_FILE" ] && old_pid=$(cat "$PID_FILE") && [ -n "$old_pid" ] && kill -0 "$old_pid" 2>/dev/null; then
-  die "$PID_FILE says a server runs as PID $old_pid; stop it first (kill -TERM -- -$old_pid) or choose another PID_FILE"
-fi
-
-# ---- profile, overrides, checks, log header, launch plan (exit 1 with the reason on a refusal)
-# One Python process, all checks in it; LOG.launch.json is both the plan `launch exec` runs and the
-# run manifest (magpie/serving/manifest.py) that log_check and report read.
-workdir=$("$python" "$pkg" launch plan --log "$log" --host "$HOST" --port "$PORT" --python "$python" \
-  --mem-hard-limit "$MEM_HARD_LIMIT" --workdir "${WORKDIR:-}" -- "$@") || exit 1
-plan="$log.launch.json"
-
 # ---- supervision: memguard run starts the server in its own session (its PID leads the group vLLM
 # forks into), writes PID_FILE, guards it (MEMGUARD=0: --no-guard, the same path), starts the
 # watchdog on it, restarts it under WATCHDOG=restart, and stops its group on SIGTERM (SIGKILL
-# after STOP_GRACE).
+# after STOP_GRACE). Its options (MEMGUARD_ARGS, WATCHDOG_ARGS) and PID_FILE are checked first
+# (`memguard run --check`), before anything is written: a PID_FILE that is not one of ours (a
+# file of yours, a PID now of another process) is refused and left as it is.
 sup=(--pid-file "$PID_FILE" --output "$log" --log "$log" --grace "$STOP_GRACE")
 if [ "$MEMGUARD" = 1 ]; then
   sup+=(--min-available "$MEMGUARD_MIN_AVAILABLE" --server-log "$log" "${memguard_args[@]}")
@@ -146,6 +144,21 @@ if [ "$WATCHDOG" != 0 ]; then
   sup+=(--watchdog "$WATCHDOG" --watchdog-url "http://$HOST:$PORT" --restarts "$WATCHDOG_RESTARTS")
   sup+=("--watchdog-args=$WATCHDOG_ARGS")
 fi
+if ! refusal=$("$python" "$pkg" memguard run --check "${sup[@]}" -- true 2>&1 >/dev/null); then
+  refusal=${refusal%$'\n'}
+  refusal=${refusal##*$'\n'}                  # argparse's usage lines: its last line says what
+  refusal=${refusal#memguard run: error: }
+  refusal=${refusal#magpie memguard: error: }
+  die "the supervisor's options (MEMGUARD_ARGS, WATCHDOG_ARGS, PID_FILE, STOP_GRACE): ${refusal#magpie memguard run: error: }"
+fi
+
+# ---- profile, overrides, checks, log header, launch plan (exit 1 with the reason on a refusal)
+# One Python process, all checks in it; LOG.launch.json is both the plan `launch exec` runs and the
+# run manifest (magpie/serving/manifest.py) that log_check and report read.
+workdir=$("$python" "$pkg" launch plan --log "$log" --host "$HOST" --port "$PORT" --python "$python" \
+  --mem-hard-limit "$MEM_HARD_LIMIT" --workdir "${WORKDIR:-}" -- "$@") || exit 1
+plan="$log.launch.json"
+
 echo "serve.sh: serving on http://$HOST:$PORT, log $log, PID file $PID_FILE" >&2
 supervisor_pid=
 # shellcheck disable=SC2317,SC2329  # called by the trap only

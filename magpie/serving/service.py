@@ -29,23 +29,64 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import shutil
 import sys
 
 from magpie import ROOT, cli, files
-from magpie.serving import launch
+from magpie.serving import bounds, launch
 
 SERVE_SH = ROOT / "magpie" / "serving" / "serve.sh"
 STOP_MARGIN = 15  # s systemd waits beyond serve.sh's own SIGKILL (memguard run's --grace)
 FINAL_STATUSES = (3, 4)  # memguard run: the memory guard stopped it; stall restarts used up
 
 
-def quote(word: str) -> str:
-    """One word of an ExecStart= / Environment= line: specifiers and variables escaped, quoted
-    when it holds anything systemd would split or interpret."""
-    escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+def quote(word: str, *, exec_line: bool = True) -> str:
+    """One word of an ExecStart= line (EXEC_LINE) or an Environment= assignment: specifiers (%) and,
+    on an Exec line, variables ($) escaped, quoted when it holds anything systemd would split or
+    interpret (Environment= expands no variables: `$` is left as it is there). Words are checked
+    for control characters first (check_text): a newline would end the line and start a directive."""
+    escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    if exec_line:
+        escaped = escaped.replace("$", "$$")
     plain = escaped == word and word and not any(c.isspace() or c in "'\";" for c in word)
     return word if plain else f'"{escaped}"'
+
+
+def check_text(what: str, value: str) -> str:
+    """VALUE unless it holds a control character (a newline, a tab, NUL, DEL...), which no unit line
+    can carry safely; SystemExit with one line naming WHAT."""
+    bad = next((c for c in value if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise SystemExit(
+            f"error: {what}: holds the control character {bad!r}: a unit file line cannot carry it (a newline "
+            "would start a directive of its own)"
+        )
+    return value
+
+
+# A unit's name: systemd's unit-name characters, no path (`../x` would write outside the unit folder).
+UNIT_NAME = re.compile(r"[A-Za-z0-9_:@-][A-Za-z0-9_.:@-]{0,199}")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
+# serve.sh's variables with a fixed set of values, checked as serve.sh checks them.
+CHOICES = {"MEMGUARD": ("0", "1"), "WATCHDOG": ("stop", "restart", "report", "0")}
+
+
+def check_env(env: dict[str, str]) -> None:
+    """The unit's variables as serve.sh will check them at every start: refused here, once, instead
+    of a unit that fails at each start (PORT=0, STOP_GRACE=-5)."""
+    for key, value in env.items():
+        check_text(f"{key} (--env, or the option that sets it)", value)
+    problems = [bounds.check_port(env["PORT"]), bounds.check_seconds(env["STOP_GRACE"])]
+    if "WATCHDOG_RESTARTS" in env:
+        problems.append(bounds.check_seconds(env["WATCHDOG_RESTARTS"], "WATCHDOG_RESTARTS"))
+    for key, allowed in CHOICES.items():
+        if key in env and env[key] not in allowed:
+            problems.append(f"{key}={env[key]}: expected {', '.join(allowed)}")
+    for problem in problems:
+        if problem:
+            raise SystemExit(f"error: {problem} (serve.sh would refuse it at every start)")
 
 
 def default_log(name: str, user: bool) -> str:
@@ -66,7 +107,7 @@ def parse_env(items: list[str]) -> dict[str, str]:
     env = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
+        if not sep or not ENV_NAME.fullmatch(key):
             raise SystemExit(f"error: --env {item!r}: expected NAME=VALUE (a serve.sh variable, e.g. MTP=3)")
         env[key] = value
     return env
@@ -99,14 +140,20 @@ def unit_text(args, vllm_args: list[str]) -> str:
         "PYTHONUNBUFFERED": "1",
     }
     env.update(parse_env(args.env))
-    try:
-        grace = int(env["STOP_GRACE"])
-    except ValueError:
-        raise SystemExit(f"error: STOP_GRACE={env['STOP_GRACE']}: expected a number of seconds") from None
+    check_env(env)
+    grace = int(env["STOP_GRACE"])
+    check_text("--log", log)
+    for word in vllm_args:
+        check_text("a vLLM argument", word)
+    if not args.user and not USER_NAME.fullmatch(args.run_as):
+        raise SystemExit(f"error: --run-as {args.run_as!r}: expected a plain user name")
     lines = [
         "# Written by `magpie install-service` (magpie/serving/service.py); see docs/service.md.",
         "[Unit]",
-        f"Description=vLLM server {os.path.basename(model)} ({env['PROFILE']}) under serve.sh and memguard run",
+        "Description="
+        + f"vLLM server {os.path.basename(model)} ({env['PROFILE']}) under serve.sh and memguard run".replace(
+            "%", "%%"
+        ),
         f"Documentation=file://{ROOT / 'docs' / 'service.md'}",
         "After=network-online.target",
         "Wants=network-online.target",
@@ -120,7 +167,7 @@ def unit_text(args, vllm_args: list[str]) -> str:
         lines.append(f"User={args.run_as}")
         if log.startswith("/var/log/magpie/"):
             lines.append("LogsDirectory=magpie")
-    lines += [f"Environment={quote(f'{key}={value}')}" for key, value in env.items()]
+    lines += [f"Environment={quote(f'{key}={value}', exec_line=False)}" for key, value in env.items()]
     lines += [
         f"ExecStartPre=-{mv} -f {quote(log)} {quote(log + '.1')}",
         "ExecStart=" + " ".join(quote(w) for w in [bash, str(SERVE_SH), log, *vllm_args]),
@@ -170,6 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print", action="store_true", help="print the unit to stdout; install nothing")
     cli.add_force(parser, "an existing unit file")
     args, rest = parser.parse_known_args(argv)
+    if not UNIT_NAME.fullmatch(args.name) or args.name.endswith(".service"):
+        print(
+            f"error: --name {args.name!r}: expected a plain unit name (letters, digits, _ . : @ -; no / and no "
+            "leading dot), without .service",
+            file=sys.stderr,
+        )
+        return 1
+    for flag in ("burst", "burst_interval", "restart_sec"):
+        if getattr(args, flag) < (1 if flag == "burst" else 0):
+            print(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: out of range", file=sys.stderr)
+            return 1
     if rest and rest[0] == "--":
         rest = rest[1:]
     elif rest:

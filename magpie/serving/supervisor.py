@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import io
 import os
 import re
 import shlex
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from magpie import cli, files, tool_command
-from magpie.serving import pgroup
+from magpie.serving import bounds, pgroup, pidfile
 from magpie.serving.logs import OWN_LINES, SERVING_LINE, Log, LogFollower
 
 __all__ = ["ENGINE_DEATH", "ENGINE_DIED", "GUARD_STOPPED", "WATCHDOG_STOPPED", "Supervisor", "add_run_options"]
@@ -43,6 +44,12 @@ ENGINE_DEATH = re.compile(
 GUARD_STOPPED = 3  # the memory guard's status when it stopped the server (`memguard watch` exits with it)
 WATCHDOG_STOPPED = 4  # the watchdog's status when it stopped the server (`watchdog watch` exits with it)
 ENGINE_DIED = 5  # `run`'s status when the engine died (the API server's own status is 0)
+WATCHDOG_DIED = 7  # `run`'s status when the watchdog or the guard died while the server ran (it is stopped)
+REFUSED = 2  # `run`'s status when it refused to start (bad options, a pid file that is not ours)
+
+
+class RunRefused(Exception):
+    """`run` will not start the command: one line saying which option and why."""
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +68,18 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--watchdog-args", default="", help="more `watchdog watch` options, one string (--watchdog-args='--interval 2')"
     )
-    parser.add_argument("--restarts", type=int, default=3, help="at most this many restarts under --watchdog restart")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the options (the watchdog's too) and the pid file, start nothing (serve.sh does this "
+        "before it writes LOG)",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=bounds.number(int, 0, 100),
+        default=3,
+        help="at most this many restarts under --watchdog restart",
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command and its arguments")
 
 
@@ -81,6 +99,7 @@ class Supervisor:
         self.term_sent_at: float | None = None
         self.engine_death: str | None = None
         self.served = False
+        self.helper_died: str | None = None  # the watchdog or the memory guard died while the server ran
 
     def say(self, message: str) -> None:
         print(f"memguard run: {message}", file=sys.stderr, flush=True)
@@ -137,7 +156,7 @@ class Supervisor:
             if out:
                 out.close()
         if self.args.pid_file:
-            files.atomic_write_text(self.args.pid_file, f"{child.pid}\n")
+            files.atomic_write_text(self.args.pid_file, f"{child.pid}\n")  # claimed by check_run (run())
         where = f", PID file {self.args.pid_file}" if self.args.pid_file else ""
         self.say(f"server PID {child.pid}{where}" + (f", output {self.args.output}" if self.args.output else ""))
         return child
@@ -151,7 +170,17 @@ class Supervisor:
             guard = self.guard(pid)
         except ProcessLookupError:  # it has already ended (and been reaped)
             return None, status
-        thread = threading.Thread(target=lambda: status.append(guard.run()), daemon=True)
+
+        def guard_run() -> None:
+            try:
+                status.append(guard.run())
+            except Exception as e:  # noqa: BLE001 - any failure: the server must not run on unguarded
+                self.helper_died = f"the memory guard failed ({type(e).__name__}: {e})"
+                self.log(f"{self.helper_died} while server PID {pid} runs: stopping the server")
+                self.on_signal(signal.SIGTERM, None)
+                self.stopping = False  # not a stop asked for: outcome() reports it
+
+        thread = threading.Thread(target=guard_run, daemon=True)
         thread.start()
         return thread, status
 
@@ -163,7 +192,7 @@ class Supervisor:
         cmd += ["--url", self.args.watchdog_url, "--on-stall", policy, "--grace", f"{self.args.grace:g}"]
         cmd += ["--log", self.args.log] if self.args.log else []
         output = self.args.output or self.args.server_log
-        cmd += (["--server-log", output] if output else []) + shlex.split(self.args.watchdog_args)
+        cmd += (["--server-log", output] if output else []) + watchdog_options(self.args)
         return subprocess.Popen(cmd)
 
     def read_output(self, follower: LogFollower | None) -> None:
@@ -181,16 +210,29 @@ class Supervisor:
         `served` say what its output said."""
         output = self.args.output or self.args.server_log
         follower = LogFollower(output, from_start=False) if output else None
-        self.engine_death, self.served = None, False
+        self.engine_death, self.served, self.helper_died = None, False, None
         child = self.child = self.start()
         guard_thread, guard_status = self.start_guard(child.pid)
         watchdog = self.watchdog(child.pid)
+        watchdog_died = None
         while True:
             try:
                 status = child.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
                 self.read_output(follower)
+            code = watchdog.poll() if watchdog is not None else None
+            if code is not None and code not in (0, WATCHDOG_STOPPED) and watchdog_died is None and not self.stopping:
+                # The protection asked for is gone: the server does not serve on without it.
+                watchdog_died = code
+                self.log(
+                    f"the watchdog exited with status {code} while server PID {child.pid} runs: stopping the "
+                    "server (a server is not left running without the watchdog asked for)"
+                )
+                self.on_signal(signal.SIGTERM, None)
+                self.stopping = False  # not a stop asked for: outcome() reports it
+        if watchdog_died is not None:
+            self.helper_died = f"the watchdog died (status {watchdog_died})"
         exited = time.monotonic()
         self.group_left(child.pid, self.term_sent_at if self.term_sent_at is not None else exited)
         self.read_output(follower)
@@ -217,6 +259,9 @@ class Supervisor:
     def outcome(self, status: int, guard_status: int, watchdog_status: int, restarts: int) -> int | None:
         """`run`'s status after one start of the command, or None for a restart."""
         where = f"; its reason is in {self.args.log}" if self.args.log else ""
+        if self.helper_died is not None:
+            self.say(f"{self.helper_died}; the server was stopped{where}")
+            return WATCHDOG_DIED
         if guard_status == GUARD_STOPPED:
             self.say(f"the memory guard stopped the server{where} ([memguard] lines)")
             return GUARD_STOPPED
@@ -245,6 +290,13 @@ class Supervisor:
         return status
 
     def run(self) -> int:
+        try:
+            check_run(self.args)  # memguard's main did it before opening --log; again for other callers
+        except RunRefused as e:
+            self.say(f"error: {e}")
+            return REFUSED
+        if getattr(self.args, "check", False):
+            return 0
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self.on_signal)
         restarts = 0
@@ -265,6 +317,49 @@ class Supervisor:
             if self.killer is not None:
                 self.killer.cancel()
             if self.args.pid_file and self.child is not None:
-                with contextlib.suppress(OSError):
-                    if open(self.args.pid_file).read().strip() == str(self.child.pid):
-                        os.unlink(self.args.pid_file)
+                pidfile.remove_if_ours(self.args.pid_file, self.child.pid)
+
+
+def watchdog_options(args: argparse.Namespace) -> list[str]:
+    """--watchdog-args as words; RunRefused when `watchdog watch` would not start with them."""
+    try:
+        words = shlex.split(args.watchdog_args)
+    except ValueError as e:
+        raise RunRefused(f"--watchdog-args {args.watchdog_args!r}: {e}") from None
+    if args.watchdog == "off":
+        return words
+    from magpie.serving import watchdog  # it imports this module
+
+    probe = ["watch", "--pid", str(bounds.PID_MIN), "--url", args.watchdog_url, *words]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            watchdog.build_parser().parse_args(probe)
+    except SystemExit:
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        why = lines[-1].split("error: ", 1)[-1] if lines else "not accepted"
+        raise RunRefused(
+            f"--watchdog-args {args.watchdog_args!r} (serve.sh: WATCHDOG_ARGS): the watchdog would not start: {why}"
+        ) from None
+    return words
+
+
+def check_run(args: argparse.Namespace) -> None:
+    """Everything `run` can refuse before it starts anything; RunRefused with one line."""
+    watchdog_options(args)
+    if args.pid_file:
+        try:
+            pidfile.claim(args.pid_file)
+        except pidfile.PidFileRefused as e:
+            raise RunRefused(f"--pid-file (serve.sh: PID_FILE): {e}") from None
+        folder = os.path.dirname(os.path.abspath(args.pid_file))
+        if not os.access(folder, os.W_OK):
+            raise RunRefused(f"--pid-file {args.pid_file}: cannot write in {folder}")
+    if not getattr(args, "no_guard", True):
+        try:
+            with open(args.meminfo) as f:
+                f.read(1)
+        except OSError as e:
+            raise RunRefused(f"{args.meminfo}: {e.strerror} (the memory guard reads it)") from None
+    if args.output and os.path.isdir(args.output):
+        raise RunRefused(f"--output {args.output} is a folder; give the file the command's output goes to")

@@ -32,7 +32,9 @@ the server again after a `stop`.
 A long prefill moves no token counter until it completes (vLLM 0.29 counts prompt tokens when
 the first output token exists): set `--stall-after` above the longest prefill you serve.
 
-Exit codes: 0 the server exited by itself; 4 the watchdog stopped it; 2 usage error.
+Exit codes: 0 the server exited by itself; 4 the watchdog stopped it; 2 usage error (a value out
+of its range names the flag: magpie/serving/bounds.py); 6 this user may not signal the server (one
+line; no stop is claimed); 1 a file it writes fails.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import time
 import urllib.error
 
 from magpie import cli
-from magpie.serving import client, pgroup
+from magpie.serving import bounds, client, pgroup
 from magpie.serving.logs import SERVING_LINE, Log, LogFollower, open_log
 from magpie.serving.metrics import (
     GENERATION_TOKENS,
@@ -192,28 +194,49 @@ class Watchdog:
         return tuple(sums[name] for name in PROGRESS)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`watchdog`'s parser (`memguard run` checks --watchdog-args with it before it starts anything)."""
     parser = cli.parser("magpie watchdog", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("watch", help="watch one server")
-    p.add_argument("--pid", type=int, required=True, help="the server's PID (it should lead its process group)")
-    p.add_argument("--url", default=cli.DEFAULT_URL, help="the server")
-    p.add_argument("--stall-after", type=float, default=300.0, help="seconds without progress that make a stall")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between two /metrics readings")
-    p.add_argument("--metrics-timeout", type=float, default=30.0, help="timeout of one /metrics request")
+    p.add_argument("--pid", type=bounds.pid, required=True, help="the server's PID (it should lead its process group)")
+    p.add_argument("--url", type=bounds.url, default=cli.DEFAULT_URL, help="the server")
     p.add_argument(
-        "--probe-interval", type=float, default=60.0, help="idle seconds before a probe, and between two; 0 = off"
+        "--stall-after",
+        type=bounds.seconds(1, 7 * bounds.DAY),
+        default=300.0,
+        help="seconds without progress that make a stall",
     )
-    p.add_argument("--probe-timeout", type=float, default=60.0, help="seconds a probe may take")
+    p.add_argument(
+        "--interval", type=bounds.seconds(0.1, 3600), default=5.0, help="seconds between two /metrics readings"
+    )
+    p.add_argument(
+        "--metrics-timeout", type=bounds.seconds(1, 3600), default=30.0, help="timeout of one /metrics request"
+    )
+    p.add_argument(
+        "--probe-interval",
+        type=bounds.seconds(1, zero=True),
+        default=60.0,
+        help="idle seconds before a probe, and between two; 0 = off",
+    )
+    p.add_argument("--probe-timeout", type=bounds.seconds(1, 3600), default=60.0, help="seconds a probe may take")
     p.add_argument("--on-stall", choices=("stop", "report"), default="stop", help="the policy")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
-    p.add_argument("--log", help="append messages to this file (default: stderr)")
+    p.add_argument("--grace", type=bounds.seconds(0), default=30.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--log", type=bounds.log_file, help="append messages to this file (default: stderr)")
     p.add_argument(
         "--server-log", help="the server's output: uvicorn's start-up line there starts the judging (serve.sh: LOG)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")  # urllib asks a proxy unless told: the server is local
-    log = open_log(args.log)
+    try:
+        log = open_log(args.log)
+    except OSError as e:
+        print(f"watchdog: error: --log {args.log}: {e.strerror}", file=sys.stderr)
+        return 1
     return pgroup.watch("watchdog", lambda: Watchdog(args, log))
 
 
