@@ -151,7 +151,15 @@ let
               }
             );
           toPythonModule = drv: drv;
-          pypaInstallHook = tool "pypa-install-hook";
+          # The hook's script (the setup hook a build sources), with nixpkgs' substitutions:
+          # tests/nix/test_wheel_install.py runs an install phase with it.
+          pypaInstallHook = tool "pypa-install-hook" // {
+            setupHookText =
+              builtins.replaceStrings
+                [ "@pythonInterpreter@" "@pythonSitePackages@" ]
+                [ python.pythonOnBuildForHost.interpreter python.sitePackages ]
+                (builtins.readFile ./pkgs/development/interpreters/python/hooks/pypa-install-hook.sh);
+          };
           wheel = tool "wheel";
           pytest = tool "pytest";
           pytest-timeout = tool "pytest-timeout";
