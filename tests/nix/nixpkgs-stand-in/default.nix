@@ -172,6 +172,7 @@ let
     "autoAddDriverRunpath"
     "autoPatchelfHook"
     "bash"
+    "cacert"
     "coreutils"
     "findutils"
     "gcc14"
