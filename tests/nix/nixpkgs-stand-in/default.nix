@@ -454,6 +454,79 @@ let
       };
       inherit meta;
     } "stand-in: no image is built";
+  # pkgs/build-support/fetchzip: fetchurl's arguments plus unpacking ones; a recursive
+  # fixed-output derivation of the given hash (`sha256` in nixpkgs' base32, or `hash`).
+  fetchzip =
+    {
+      url ? "",
+      urls ? [ ],
+      name ? "source",
+      hash ? "",
+      sha256 ? "",
+      stripRoot ? true,
+      extension ? null,
+      postFetch ? "",
+      passthru ? { },
+      meta ? { },
+    }:
+    assert hash != "" || sha256 != "" || throw "fetchzip requires a hash: ${url}";
+    stdenvNoCC.mkDerivation {
+      inherit name;
+      urls = if urls != [ ] then urls else [ url ];
+      outputHashMode = "recursive";
+      outputHashAlgo = if hash != "" then null else "sha256";
+      outputHash = if hash != "" then hash else sha256;
+      inherit passthru meta;
+    };
+
+  # The Haskell package set as far as nix/nixfmt.nix reads it: mkDerivation (haskell-modules'
+  # generic builder, whose Cabal fields are not derivation attributes) and packages by name.
+  haskellPackages =
+    lib.genAttrs [
+      "base"
+      "bytestring"
+      "cmdargs"
+      "containers"
+      "directory"
+      "file-embed"
+      "filepath"
+      "megaparsec"
+      "mtl"
+      "parser-combinators"
+      "pretty-simple"
+      "process"
+      "safe-exceptions"
+      "scientific"
+      "text"
+      "transformers"
+      "unix"
+    ] tool
+    // {
+      mkDerivation =
+        args:
+        stdenv.mkDerivation (
+          builtins.removeAttrs args [
+            "isLibrary"
+            "isExecutable"
+            "libraryHaskellDepends"
+            "executableHaskellDepends"
+            "jailbreak"
+            "homepage"
+            "description"
+            "license"
+            "mainProgram"
+          ]
+          // {
+            buildInputs = args.libraryHaskellDepends or [ ] ++ args.executableHaskellDepends or [ ];
+            meta = {
+              inherit (args) description license;
+              mainProgram = args.mainProgram or args.pname;
+            };
+          }
+        );
+    };
+  haskell.lib.compose.justStaticExecutables = drv: drv;
+
   goArch =
     {
       "aarch64-linux" = "arm64";
@@ -475,6 +548,9 @@ let
         writeTextFile
         writeShellApplication
         fetchurl
+        fetchzip
+        haskell
+        haskellPackages
         mkShell
         runtimeShell
         dockerTools
