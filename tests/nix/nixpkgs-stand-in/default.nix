@@ -129,15 +129,23 @@ let
         sitePackages = "lib/python${pythonVersion}/site-packages";
         interpreter = "${tool "python3"}/bin/python3";
         pythonOnBuildForHost = python;
+        executable = "python${pythonVersion}";
+        # As nixpkgs' python wrapper: `interpreter` is passthru naming the environment built
+        # here, so an overrideAttrs that changes the derivation keeps the old path.
         withPackages =
           f:
           let
             env = stdenv.mkDerivation {
               name = "python3-${pythonVersion}-env";
-              passthru.packagesGiven = f python.pkgs;
+              # buildEnv's inputs: the environment's path depends on its packages.
+              paths = f python.pkgs;
+              passthru = {
+                packagesGiven = f python.pkgs;
+                interpreter = "${env}/bin/python${pythonVersion}";
+              };
             };
           in
-          env // { interpreter = "${env}/bin/python3"; };
+          env;
         pkgs = {
           buildPythonPackage =
             args:
