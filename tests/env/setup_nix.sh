@@ -29,5 +29,5 @@ if [ "$("$tools/bin/python" -m pip --version 2>/dev/null | cut -d' ' -f2)" != "$
     "$tools/bin/python" -m pip install --quiet --disable-pip-version-check "pip==$pip_version"
   echo "nix tools: pip $pip_version in $tools ($(($(date +%s) - start)) s)"
 fi
-python3 "$root/tests/env/fetch_wheels.py" "$root/.cache/wheels" >/dev/null
+"$tools/bin/python" "$root/tests/env/fetch_wheels.py" "$root/.cache/wheels" >/dev/null
 echo "nix tools: $(nix-instantiate --version), pip $pip_version in $tools"
