@@ -101,3 +101,21 @@ def test_an_unrecorded_wheel_and_a_stale_entry_are_refused_with_the_fix(tmp_path
     out = overlaps(repo)
     assert out.returncode == 1
     assert "site-packages/gone.py is installed by at most one wheel of every closure; remove its entry" in out.stderr
+
+
+def test_wheel_files_keeps_recorded_wheels_and_drops_unpinned_ones_offline(tmp_path):
+    """Every pinned wheel is recorded, so --wheel-files reads nothing from the network and writes
+    the committed file again; an entry of a file no closure pins is dropped."""
+    repo = copy_of_nix(tmp_path)
+    target = repo / "nix" / "pins" / "wheel-files.json"
+    committed = (REPO / "nix" / "pins" / "wheel-files.json").read_text()
+    edit(target, lambda f: f["wheels"].update({"gone-1.0-py3-none-any.whl": {"sha256": "0", "paths": {}}}))
+    out = subprocess.run(
+        [sys.executable, str(REPO / "magpie"), "pin-wheels", "--wheel-files", "--repo", str(repo)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "read " not in out.stderr  # no wheel was fetched
+    assert target.read_text() == committed
