@@ -38,7 +38,7 @@ root requirement no longer resolves under the old constraints and is reported as
 
 Paths installed by more than one wheel: nixpkgs installs the closure with pypa/installer once per
 wheel into one prefix, and installer refuses to overwrite a file. `--wheel-files` writes
-nix/pins/wheel-files.json, each pinned wheel's installed paths (its RECORD and its entry-point
+nix/pins/wheel-files.json.xz, each pinned wheel's installed paths (its RECORD and its entry-point
 scripts, mapped as installer lays them out; read from the wheel's zip directory with HTTP range
 requests, so only a few hundred KB of each wheel is fetched; a file's content-addressed path names
 one content). `--overlaps` (no network) checks every committed closure against it: a path that two
@@ -59,6 +59,7 @@ import csv
 import difflib
 import io
 import json
+import lzma
 import os
 import re
 import subprocess
@@ -422,7 +423,9 @@ def generate(args: argparse.Namespace, out_root: str, constrained: bool = False)
     return files
 
 
-WHEEL_FILES = os.path.join("nix", "pins", "wheel-files.json")
+# xz-compressed (5.5 MB of JSON, 0.3 MB as stored): the checkout travels to the lent GPU machine
+# within a 64 MiB call beside the vLLM kernels (docs/gpu-harness.md).
+WHEEL_FILES = os.path.join("nix", "pins", "wheel-files.json.xz")
 OVERLAPS = os.path.join("nix", "wheel-overlaps.json")
 
 
@@ -529,12 +532,12 @@ def file_host_base(pip_python: str, pin: dict) -> str:
 
 def write_wheel_files(args: argparse.Namespace) -> str:
     """Record the installed paths of every wheel of the chosen releases' committed pins in
-    nix/pins/wheel-files.json (entries of files no longer pinned anywhere are dropped, those
+    nix/pins/wheel-files.json.xz (entries of files no longer pinned anywhere are dropped, those
     already recorded with the same sha256 kept)."""
     path = os.path.join(args.repo, WHEEL_FILES)
     recorded = {}
     if os.path.exists(path):
-        with open(path) as f:
+        with lzma.open(path, "rt") as f:
             recorded = json.load(f)["wheels"]
     pinned, wanted = {}, {}
     for (release, system), pins in committed_pins(args.repo).items():
@@ -558,7 +561,7 @@ def write_wheel_files(args: argparse.Namespace) -> str:
     )
     # One line per wheel file: a pin change shows as the lines of the wheels it changed.
     lines = [json.dumps(name) + ": " + json.dumps(entry, separators=(",", ":")) for name, entry in kept.items()]
-    with open(path, "w") as f:
+    with lzma.open(path, "wt", preset=9) as f:
         f.write('{\n  "comment": ' + json.dumps(comment) + ',\n  "wheels": {\n    ')
         f.write(",\n    ".join(lines))
         f.write("\n  }\n}\n")
@@ -573,7 +576,7 @@ def check_overlaps(repo: str) -> list[str]:
     files_path = os.path.join(repo, WHEEL_FILES)
     if not os.path.exists(files_path):
         return [f"{WHEEL_FILES} is missing; run `python3 magpie pin-wheels --wheel-files`"]
-    with open(files_path) as f:
+    with lzma.open(files_path, "rt") as f:
         recorded = json.load(f)["wheels"]
     problems, used, complete = [], set(), True
     for (release, system), pins in sorted(committed_pins(repo).items()):

@@ -2,12 +2,13 @@
 pins): no installed path is shipped by two wheels of one closure unless nix/wheel-overlaps.json
 allows it with a reason, because nixpkgs installs the closure with pypa/installer one wheel at a
 time and installer refuses to overwrite (tests/nix/test_wheel_install.py runs that install). The
-wheels' paths are nix/pins/wheel-files.json (`pin-wheels --wheel-files`, read from each pinned
+wheels' paths are nix/pins/wheel-files.json.xz (`pin-wheels --wheel-files`, read from each pinned
 wheel's RECORD and entry points); the check itself needs no network, so checks.tests runs it."""
 
 from __future__ import annotations
 
 import json
+import lzma
 import shutil
 import subprocess
 import sys
@@ -33,9 +34,14 @@ def copy_of_nix(tmp_path: Path) -> Path:
 
 
 def edit(path: Path, change) -> None:
-    data = json.loads(path.read_text())
+    packed = path.suffix == ".xz"
+    data = json.loads(lzma.decompress(path.read_bytes()) if packed else path.read_text())
     change(data)
-    path.write_text(json.dumps(data))
+    text = json.dumps(data)
+    if packed:
+        path.write_bytes(lzma.compress(text.encode()))
+    else:
+        path.write_text(text)
 
 
 def test_every_committed_closure_has_only_the_allowed_overlaps():
@@ -46,7 +52,7 @@ def test_every_committed_closure_has_only_the_allowed_overlaps():
 
 
 def test_every_pinned_wheel_of_every_closure_is_recorded():
-    recorded = json.loads((REPO / "nix" / "pins" / "wheel-files.json").read_text())["wheels"]
+    recorded = json.loads(lzma.decompress((REPO / "nix" / "pins" / "wheel-files.json.xz").read_bytes()))["wheels"]
     for release in releases.series_releases():
         for system in ("aarch64-linux", "x86_64-linux"):
             pins = json.loads((REPO / releases.pins_file(release, system)).read_text())["wheels"]
@@ -75,7 +81,7 @@ def test_a_new_overlap_is_refused_naming_the_path_and_the_wheels(tmp_path):
     def add(files):
         files["wheels"][numpy]["paths"].setdefault("site-packages/torch", []).append("__init__.py")
 
-    edit(repo / "nix" / "pins" / "wheel-files.json", add)
+    edit(repo / "nix" / "pins" / "wheel-files.json.xz", add)
     out = overlaps(repo)
     assert out.returncode == 1
     assert (
@@ -87,7 +93,7 @@ def test_a_new_overlap_is_refused_naming_the_path_and_the_wheels(tmp_path):
 def test_an_unrecorded_wheel_and_a_stale_entry_are_refused_with_the_fix(tmp_path):
     repo = copy_of_nix(tmp_path)
     pins = json.loads((REPO / "nix" / "pins" / "x86_64-linux.json").read_text())["wheels"]
-    edit(repo / "nix" / "pins" / "wheel-files.json", lambda f: f["wheels"].pop(pins["numpy"]["filename"]))
+    edit(repo / "nix" / "pins" / "wheel-files.json.xz", lambda f: f["wheels"].pop(pins["numpy"]["filename"]))
     out = overlaps(repo)
     assert out.returncode == 1
     assert "run `python3 magpie pin-wheels --wheel-files --release" in out.stderr
@@ -107,8 +113,8 @@ def test_wheel_files_keeps_recorded_wheels_and_drops_unpinned_ones_offline(tmp_p
     """Every pinned wheel is recorded, so --wheel-files reads nothing from the network and writes
     the committed file again; an entry of a file no closure pins is dropped."""
     repo = copy_of_nix(tmp_path)
-    target = repo / "nix" / "pins" / "wheel-files.json"
-    committed = (REPO / "nix" / "pins" / "wheel-files.json").read_text()
+    target = repo / "nix" / "pins" / "wheel-files.json.xz"
+    committed = lzma.decompress((REPO / "nix" / "pins" / "wheel-files.json.xz").read_bytes())
     edit(target, lambda f: f["wheels"].update({"gone-1.0-py3-none-any.whl": {"sha256": "0", "paths": {}}}))
     out = subprocess.run(
         [sys.executable, str(REPO / "magpie"), "pin-wheels", "--wheel-files", "--repo", str(repo)],
@@ -118,4 +124,4 @@ def test_wheel_files_keeps_recorded_wheels_and_drops_unpinned_ones_offline(tmp_p
     )
     assert out.returncode == 0, out.stderr
     assert "read " not in out.stderr  # no wheel was fetched
-    assert target.read_text() == committed
+    assert lzma.decompress(target.read_bytes()) == committed
