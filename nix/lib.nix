@@ -35,15 +35,15 @@ rec {
     "x86_64-linux"
   ];
 
-  # CUDA capabilities built ahead of time when the user's nixpkgs config names none:
-  # GB10 is 12.1; x86_64 servers are Hopper (9.0) or Blackwell (10.0, 12.0).
+  # CUDA capabilities FlashInfer builds for (ahead of time, or JIT at run time) when the user's
+  # nixpkgs config names none: one per system, since each listed capability multiplies the
+  # first JIT build (~5 min for one on a GB10). aarch64: the GB10 (12.1). x86_64: Hopper (9.0,
+  # H100/H200), the servers this targets; a Blackwell x86_64 server sets its own (10.0 for
+  # B200/GB200, 12.0 for RTX PRO 6000) through config.cudaCapabilities or the scope's
+  # cudaCapabilities (docs/nix.md), or FLASHINFER_CUDA_ARCH_LIST at run time.
   defaultCudaCapabilities = {
     aarch64-linux = [ "12.1" ];
-    x86_64-linux = [
-      "9.0"
-      "10.0"
-      "12.0"
-    ];
+    x86_64-linux = [ "9.0" ];
   };
 
   # ---------------------------------------------------------------------------------------

@@ -56,6 +56,9 @@ lib.makeScope newScope (self: {
   envWithFlashinferAot = self.env.override { withFlashinferAot = true; };
   nvidiaDriverLibs = self.callPackage ./driver.nix { };
   devShell = self.callPackage ./devshell.nix { };
+  # The lint tools at CI's versions (checks.formatting, the dev shell).
+  nixfmt = self.callPackage ./nixfmt.nix { };
+  ruff = self.callPackage ./ruff.nix { };
 
   # name -> wrapper derivation, one per entry of magpieLib.appTable.
   apps = lib.mapAttrs (name: _: self.callPackage ./app.nix { inherit name; }) magpieLib.appTable;

@@ -41,6 +41,15 @@ python.pkgs.toPythonModule (
     dontConfigure = true;
     dontBuild = true;
 
+    # pypaInstallHook runs pypa/installer once per wheel into $out, and installer refuses to
+    # write a file an earlier wheel wrote: the paths more than one pinned wheel ships
+    # (nix/wheel-overlaps.json, each with its reason; magpie/nix/pin_wheels.py --overlaps refuses
+    # any other) are dropped from the wheels named there first. The rewritten wheels replace
+    # their links in dist/; every other wheel is installed as fetched.
+    preInstall = ''
+      ${python.pythonOnBuildForHost.interpreter} ${../magpie/nix/drop_wheel_paths.py} ${./wheel-overlaps.json} dist
+    '';
+
     nativeBuildInputs = [
       # installer on the bare interpreter (the hook's own), as buildPythonPackage installs a
       # wheel: scripts get that interpreter in their shebang, nothing of a build-only env.
@@ -110,6 +119,7 @@ python.pkgs.toPythonModule (
 
     passthru = {
       inherit pins;
+      overlaps = ./wheel-overlaps.json;
       wheels = map fetchWheel closurePins;
       # The CUDA tree the NVIDIA wheels share (nvcc, headers, libcudart): torch 2.13 (vLLM
       # 0.29.0) and torch 2.14 (0.33.0) are both CUDA 13.0 builds.

@@ -33,6 +33,18 @@ root requirement no longer resolves under the old constraints and is reported as
     python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python          # regenerate all
     python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python --check  # CI: all releases
     python3 magpie pin-wheels --pip-python .cache/nix-tools/bin/python --release 0.33.0  # one
+    python3 magpie pin-wheels --wheel-files   # record each pinned wheel's installed paths
+    python3 magpie pin-wheels --overlaps      # CI: no path installed by two wheels unless allowed
+
+Paths installed by more than one wheel: nixpkgs installs the closure with pypa/installer once per
+wheel into one prefix, and installer refuses to overwrite a file. `--wheel-files` writes
+nix/pins/wheel-files.json.xz, each pinned wheel's installed paths (its RECORD and its entry-point
+scripts, mapped as installer lays them out; read from the wheel's zip directory with HTTP range
+requests, so only a few hundred KB of each wheel is fetched; a file's content-addressed path names
+one content). `--overlaps` (no network) checks every committed closure against it: a path that two
+wheels of one closure install is refused, naming the path and the wheels, unless
+nix/wheel-overlaps.json allows it with a reason (and says which wheels it is dropped from at
+install: magpie/nix/drop_wheel_paths.py).
 
 Needs a pip that knows `--uploaded-prior-to` (26.0 or later; tests/env/setup_nix.sh makes one)
 and the package registry. Each resolution takes about half a minute; all of them run in parallel.
@@ -42,16 +54,24 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
+import csv
 import difflib
+import io
 import json
+import lzma
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
+import zipfile
 
 from magpie import cli, releases
+from magpie.nix import drop_wheel_paths
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pip_target_env.py")
@@ -403,12 +423,218 @@ def generate(args: argparse.Namespace, out_root: str, constrained: bool = False)
     return files
 
 
+# xz-compressed (5.5 MB of JSON, 0.3 MB as stored): the checkout travels to the lent GPU machine
+# within a 64 MiB call beside the vLLM kernels (docs/gpu-harness.md).
+WHEEL_FILES = os.path.join("nix", "pins", "wheel-files.json.xz")
+OVERLAPS = os.path.join("nix", "wheel-overlaps.json")
+
+
+def committed_pins(repo: str) -> dict[tuple[str, str], dict]:
+    """(release, system) -> the committed pins of every release with a series."""
+    found = {}
+    for release in releases.series_releases():
+        for system in SYSTEMS:
+            path = os.path.join(repo, pins_file(release, system))
+            if os.path.exists(path):
+                with open(path) as f:
+                    found[release, system] = json.load(f)
+    return found
+
+
+class RangeFile(io.RawIOBase):
+    """A remote file read with HTTP range requests, seekable, for zipfile (read ahead 256 KB)."""
+
+    def __init__(self, url: str):
+        self.url, self.position, self.cache = url, 0, (0, b"")
+        request = urllib.request.Request(url, method="HEAD")
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            self.size = int(resp.headers["Content-Length"])
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.position = {0: offset, 1: self.position + offset, 2: self.size + offset}[whence]
+        return self.position
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self.position + n)
+        start, data = self.cache
+        if not (start <= self.position and end <= start + len(data)):
+            fetch_end = min(self.size, max(end, self.position + (256 << 10)))
+            request = urllib.request.Request(self.url, headers={"Range": f"bytes={self.position}-{fetch_end - 1}"})
+            with urllib.request.urlopen(request, timeout=300) as resp:
+                if resp.status != 206:
+                    raise PinError(f"{self.url}: the file host ignores range requests")
+                self.cache = start, data = self.position, resp.read()
+        out = data[self.position - start : end - start]
+        self.position += len(out)
+        return out
+
+
+def installed_paths(url: str) -> list[str]:
+    """What installer writes for one wheel, outside its .dist-info: the RECORD's paths and the
+    entry-point scripts, as drop_wheel_paths.installed_path lays them out."""
+    with zipfile.ZipFile(RangeFile(url)) as wheel:
+        names = wheel.namelist()
+        info = [n for n in names if re.fullmatch(r"[^/]+\.dist-info/RECORD", n)]
+        if len(info) != 1:
+            raise PinError(f"{url}: {len(info)} .dist-info/RECORD files")
+        dist_info = info[0].split("/", 1)[0]
+        record = wheel.read(info[0]).decode()
+        scripts = []
+        if f"{dist_info}/entry_points.txt" in names:
+            scripts = drop_wheel_paths.entry_point_scripts(wheel.read(f"{dist_info}/entry_points.txt").decode())
+    paths = set(scripts)
+    for row in csv.reader(record.splitlines()):
+        if row and not row[0].startswith(dist_info + "/"):
+            paths.add(drop_wheel_paths.installed_path(row[0]))
+    return sorted(paths)
+
+
+def by_folder(paths: list[str]) -> dict[str, list[str]]:
+    """{folder: [file names]}: the recorded form (a third of the size of the full paths)."""
+    folders: dict[str, list[str]] = {}
+    for path in sorted(paths):
+        folder, _, name = path.rpartition("/")
+        folders.setdefault(folder, []).append(name)
+    return folders
+
+
+def file_host_base(pip_python: str, pin: dict) -> str:
+    """The registry's file host (…/packages/), from where the index pip uses lists `pin`."""
+    index = (
+        os.environ.get("PIP_INDEX_URL")
+        or subprocess.run(
+            [pip_python, "-c", "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    url = urllib.parse.urljoin(index.rstrip("/") + "/", pin["name"] + "/")
+    request = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        listing = json.load(resp)
+    for entry in listing.get("files", []):
+        if entry["filename"] == pin["filename"]:
+            found = urllib.parse.urljoin(url, entry["url"]).split("#", 1)[0]
+            if found.endswith("/packages/" + pin["path"]):
+                return found[: -len(pin["path"])]
+    raise PinError(f"the index {index} does not list {pin['filename']} under its pinned path {pin['path']}")
+
+
+def write_wheel_files(args: argparse.Namespace) -> str:
+    """Record the installed paths of every wheel of the chosen releases' committed pins in
+    nix/pins/wheel-files.json.xz (entries of files no longer pinned anywhere are dropped, those
+    already recorded with the same sha256 kept)."""
+    path = os.path.join(args.repo, WHEEL_FILES)
+    recorded = {}
+    if os.path.exists(path):
+        with lzma.open(path, "rt") as f:
+            recorded = json.load(f)["wheels"]
+    pinned, wanted = {}, {}
+    for (release, system), pins in committed_pins(args.repo).items():
+        for wheel in pins["wheels"].values():
+            pinned[wheel["filename"]] = wheel
+            if release in args.releases and system in args.systems:
+                wanted[wheel["filename"]] = wheel
+    todo = [w for name, w in wanted.items() if recorded.get(name, {}).get("sha256") != w["sha256"]]
+    if todo:
+        base = file_host_base(args.pip_python, todo[0])
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = pool.map(lambda w: (w, installed_paths(base + w["path"])), todo)
+            for wheel, paths in results:
+                recorded[wheel["filename"]] = {"sha256": wheel["sha256"], "paths": by_folder(paths)}
+        print(f"read {len(todo)} wheels' RECORD in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    kept = {name: recorded[name] for name in sorted(recorded) if name in pinned}
+    comment = (
+        "Generated by `python3 magpie pin-wheels --wheel-files` (magpie/nix/pin_wheels.py): each pinned "
+        "wheel's installed paths outside its .dist-info, as {folder: [file names]}; regenerate it, do not edit."
+    )
+    # One line per wheel file: a pin change shows as the lines of the wheels it changed.
+    lines = [json.dumps(name) + ": " + json.dumps(entry, separators=(",", ":")) for name, entry in kept.items()]
+    with lzma.open(path, "wt", preset=9) as f:
+        f.write('{\n  "comment": ' + json.dumps(comment) + ',\n  "wheels": {\n    ')
+        f.write(",\n    ".join(lines))
+        f.write("\n  }\n}\n")
+    return WHEEL_FILES
+
+
+def check_overlaps(repo: str) -> list[str]:
+    """Every committed closure's paths installed by more than one wheel that
+    nix/wheel-overlaps.json does not allow, and allowed entries no closure needs; [] when clean."""
+    with open(os.path.join(repo, OVERLAPS)) as f:
+        allowed = json.load(f)["allowed"]
+    files_path = os.path.join(repo, WHEEL_FILES)
+    if not os.path.exists(files_path):
+        return [f"{WHEEL_FILES} is missing; run `python3 magpie pin-wheels --wheel-files`"]
+    with lzma.open(files_path, "rt") as f:
+        recorded = json.load(f)["wheels"]
+    problems, used, complete = [], set(), True
+    for (release, system), pins in sorted(committed_pins(repo).items()):
+        where = pins_file(release, system)
+        owners: dict[str, list[str]] = {}
+        missing = []
+        for name, wheel in pins["wheels"].items():
+            entry = recorded.get(wheel["filename"])
+            if entry is None or entry["sha256"] != wheel["sha256"]:
+                missing.append(wheel["filename"])
+                continue
+            for folder, files in entry["paths"].items():
+                for file in files:
+                    owners.setdefault(f"{folder}/{file}", []).append(name)
+        if missing:
+            complete = False
+            problems.append(
+                f"{where}: {len(missing)} wheels not in {WHEEL_FILES} (e.g. {missing[0]}); "
+                f"run `python3 magpie pin-wheels --wheel-files --release {release}`"
+            )
+            continue
+        for path, names in sorted(owners.items()):
+            if len(names) < 2:
+                continue
+            rule = allowed.get(path)
+            if rule is None or not set(names) <= set(rule["wheels"]):
+                problems.append(
+                    f"{where}: {path} is installed by {', '.join(sorted(names))}; pypa/installer (nixpkgs' "
+                    f"pypaInstallHook) refuses the second. Decide which copy is right (or that none is needed) "
+                    f"and list it in {OVERLAPS} with the reason and the wheels it is dropped from"
+                )
+                continue
+            keepers = [name for name in names if name not in rule["drop_from"]]
+            if len(keepers) > 1:
+                problems.append(f"{OVERLAPS}: {path} is kept by {', '.join(keepers)}; drop it from all but one")
+            used.add(path)
+    for path in sorted(set(allowed) - used) if complete else []:
+        problems.append(f"{OVERLAPS}: {path} is installed by at most one wheel of every closure; remove its entry")
+    return problems
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.parser("magpie pin-wheels", __doc__)
     parser.add_argument(
         "--check",
         action="store_true",
         help="regenerate into a temporary folder, the committed versions as constraints, and compare",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--wheel-files",
+        action="store_true",
+        help=f"record the installed paths of each pinned wheel ({WHEEL_FILES}; reads each wheel's zip directory)",
+    )
+    mode.add_argument(
+        "--overlaps",
+        action="store_true",
+        help=f"refuse a path two wheels of a committed closure install, unless {OVERLAPS} allows it (no network)",
     )
     parser.add_argument("--pip-python", default=sys.executable, help="interpreter whose pip resolves")
     known = release_settings()
@@ -466,7 +692,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check and (args.wheel_files or args.overlaps):
+        print("error: --check regenerates the pins; run --wheel-files and --overlaps on their own", file=sys.stderr)
+        return 2
     try:
+        if args.overlaps:
+            problems = check_overlaps(args.repo)
+            if problems:
+                print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+                return 1
+            print(f"no unlisted overlaps in {len(committed_pins(args.repo))} closures ({OVERLAPS})")
+            return 0
+        if args.wheel_files:
+            print(f"wrote {write_wheel_files(args)}")
+            return 0
         pip_version = check_pip(args.pip_python)
         wanted = ", ".join(release["requirement"] for release in args.releases.values())
         print(f"resolving {wanted} for {', '.join(args.systems)} with pip {pip_version}", file=sys.stderr)

@@ -688,6 +688,15 @@ def bash_quote(argv: list[str]) -> str:
     return proc.stdout.rstrip()
 
 
+def user_name() -> str:
+    """getpass.getuser(), or `uid N` where neither LOGNAME/USER nor a passwd entry names the user
+    (the flake's OCI image has no /etc/passwd; getuser raises KeyError or OSError there)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
 def plan(args: argparse.Namespace) -> int:
     python = args.python
     log = os.path.abspath(args.log)
@@ -766,7 +775,7 @@ def plan(args: argparse.Namespace) -> int:
         "server": {"host": args.host, "port": args.port, "url": f"http://{args.host}:{args.port}"},
         "log": log,
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "user": getpass.getuser(),
+        "user": user_name(),
         "node": platform.node(),
         "caller_cwd": caller_cwd,
         "pythonpath": env.get("PYTHONPATH", ""),

@@ -2,7 +2,8 @@
 # What tests/nix needs besides Debian's nix-bin (tests/env/setup_system.sh installs it;
 # nix-instantiate parses and evaluates the flake's pure parts) and the test venv's ShellCheck
 # (tests/env/setup.sh): a small venv with a pip that knows --uploaded-prior-to (26.0+) for
-# magpie/nix/pin_wheels.py --check.
+# magpie/nix/pin_wheels.py --check, and the pinned wheels tests/nix/test_wheel_install.py installs
+# (tests/env/fetch_wheels.py, checked against the pins' sha256).
 #
 # usage: tests/env/setup_nix.sh
 #   NIX_TOOLS=.cache/nix-tools   the pip venv (git-ignored)
@@ -28,4 +29,5 @@ if [ "$("$tools/bin/python" -m pip --version 2>/dev/null | cut -d' ' -f2)" != "$
     "$tools/bin/python" -m pip install --quiet --disable-pip-version-check "pip==$pip_version"
   echo "nix tools: pip $pip_version in $tools ($(($(date +%s) - start)) s)"
 fi
+"$tools/bin/python" "$root/tests/env/fetch_wheels.py" "$root/.cache/wheels" >/dev/null
 echo "nix tools: $(nix-instantiate --version), pip $pip_version in $tools"

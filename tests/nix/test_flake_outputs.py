@@ -328,3 +328,31 @@ def test_every_wheel_is_fetched_from_its_immutable_path_under_nixpkgs_pypi_mirro
     assert len(fetched) > 100 and all(name.endswith(".whl") for name in fetched)
     bases = flake_eval('(scope "x86_64-linux").registryFileBases')
     assert bases == ["https://registry.invalid/packages/"]
+
+
+def test_the_default_cuda_capabilities_are_one_per_system_and_overridable():
+    """x86_64's apps JIT-build for Hopper only by default (issue 27: 9.0 10.0 12.0 tripled the first
+    FlashInfer build on an H100); the GB10's for 12.1; the scope's cudaCapabilities wins."""
+    texts = flake_eval(
+        "let s = system: (scope system).apps.serve-flash-next.text; "
+        'o = (scope "x86_64-linux").overrideScope (f: p: { cudaCapabilities = [ "10.0" "12.0" ]; }); in '
+        '{ x86 = s "x86_64-linux"; arm = s "aarch64-linux"; over = o.apps.serve-flash-next.text; }'
+    )
+    assert 'FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0}"' in texts["x86"]
+    assert 'TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"' in texts["x86"]
+    assert 'FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-12.1}"' in texts["arm"]
+    assert 'FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-10.0 12.0}"' in texts["over"]
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_the_environments_interpreter_is_its_own_after_the_rename(system):
+    """nixpkgs' python.withPackages keeps `interpreter` in passthru, naming the environment it
+    built; vllm-env.nix renames it with overrideAttrs (another store path), so it must set it
+    again (issue 27), or `env.interpreter` runs a Python that is not the package's."""
+    got = flake_eval(
+        'let e = self.packages.${system}.vllm-env; in { out = "${e}"; inherit (e) interpreter; '
+        'aot = (scope system).envWithFlashinferAot.interpreter; aotOut = "${(scope system).envWithFlashinferAot}"; }',
+        system=system,
+    )
+    assert got["interpreter"] == got["out"] + "/bin/python3.12"
+    assert got["aot"] == got["aotOut"] + "/bin/python3.12" and got["aotOut"] != got["out"]

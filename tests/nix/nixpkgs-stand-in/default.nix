@@ -129,15 +129,23 @@ let
         sitePackages = "lib/python${pythonVersion}/site-packages";
         interpreter = "${tool "python3"}/bin/python3";
         pythonOnBuildForHost = python;
+        executable = "python${pythonVersion}";
+        # As nixpkgs' python wrapper: `interpreter` is passthru naming the environment built
+        # here, so an overrideAttrs that changes the derivation keeps the old path.
         withPackages =
           f:
           let
             env = stdenv.mkDerivation {
               name = "python3-${pythonVersion}-env";
-              passthru.packagesGiven = f python.pkgs;
+              # buildEnv's inputs: the environment's path depends on its packages.
+              paths = f python.pkgs;
+              passthru = {
+                packagesGiven = f python.pkgs;
+                interpreter = "${env}/bin/python${pythonVersion}";
+              };
             };
           in
-          env // { interpreter = "${env}/bin/python3"; };
+          env;
         pkgs = {
           buildPythonPackage =
             args:
@@ -151,7 +159,15 @@ let
               }
             );
           toPythonModule = drv: drv;
-          pypaInstallHook = tool "pypa-install-hook";
+          # The hook's script (the setup hook a build sources), with nixpkgs' substitutions:
+          # tests/nix/test_wheel_install.py runs an install phase with it.
+          pypaInstallHook = tool "pypa-install-hook" // {
+            setupHookText =
+              builtins.replaceStrings
+                [ "@pythonInterpreter@" "@pythonSitePackages@" ]
+                [ python.pythonOnBuildForHost.interpreter python.sitePackages ]
+                (builtins.readFile ./pkgs/development/interpreters/python/hooks/pypa-install-hook.sh);
+          };
           wheel = tool "wheel";
           pytest = tool "pytest";
           pytest-timeout = tool "pytest-timeout";
@@ -164,6 +180,7 @@ let
     "autoAddDriverRunpath"
     "autoPatchelfHook"
     "bash"
+    "cacert"
     "coreutils"
     "findutils"
     "gcc14"
@@ -445,6 +462,79 @@ let
       };
       inherit meta;
     } "stand-in: no image is built";
+  # pkgs/build-support/fetchzip: fetchurl's arguments plus unpacking ones; a recursive
+  # fixed-output derivation of the given hash (`sha256` in nixpkgs' base32, or `hash`).
+  fetchzip =
+    {
+      url ? "",
+      urls ? [ ],
+      name ? "source",
+      hash ? "",
+      sha256 ? "",
+      stripRoot ? true,
+      extension ? null,
+      postFetch ? "",
+      passthru ? { },
+      meta ? { },
+    }:
+    assert hash != "" || sha256 != "" || throw "fetchzip requires a hash: ${url}";
+    stdenvNoCC.mkDerivation {
+      inherit name;
+      urls = if urls != [ ] then urls else [ url ];
+      outputHashMode = "recursive";
+      outputHashAlgo = if hash != "" then null else "sha256";
+      outputHash = if hash != "" then hash else sha256;
+      inherit passthru meta;
+    };
+
+  # The Haskell package set as far as nix/nixfmt.nix reads it: mkDerivation (haskell-modules'
+  # generic builder, whose Cabal fields are not derivation attributes) and packages by name.
+  haskellPackages =
+    lib.genAttrs [
+      "base"
+      "bytestring"
+      "cmdargs"
+      "containers"
+      "directory"
+      "file-embed"
+      "filepath"
+      "megaparsec"
+      "mtl"
+      "parser-combinators"
+      "pretty-simple"
+      "process"
+      "safe-exceptions"
+      "scientific"
+      "text"
+      "transformers"
+      "unix"
+    ] tool
+    // {
+      mkDerivation =
+        args:
+        stdenv.mkDerivation (
+          builtins.removeAttrs args [
+            "isLibrary"
+            "isExecutable"
+            "libraryHaskellDepends"
+            "executableHaskellDepends"
+            "jailbreak"
+            "homepage"
+            "description"
+            "license"
+            "mainProgram"
+          ]
+          // {
+            buildInputs = args.libraryHaskellDepends or [ ] ++ args.executableHaskellDepends or [ ];
+            meta = {
+              inherit (args) description license;
+              mainProgram = args.mainProgram or args.pname;
+            };
+          }
+        );
+    };
+  haskell.lib.compose.justStaticExecutables = drv: drv;
+
   goArch =
     {
       "aarch64-linux" = "arm64";
@@ -466,6 +556,9 @@ let
         writeTextFile
         writeShellApplication
         fetchurl
+        fetchzip
+        haskell
+        haskellPackages
         mkShell
         runtimeShell
         dockerTools

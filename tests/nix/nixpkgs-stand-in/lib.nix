@@ -117,6 +117,10 @@ in
       shortName = "mit";
       free = true;
     };
+    mpl20 = {
+      shortName = "mpl20";
+      free = true;
+    };
     unfreeRedistributable = {
       shortName = "unfreeRedistributable";
       free = false;
