@@ -1,6 +1,6 @@
 """magpie/vllm_modules/ as ordinary Python: each source imports on its own (torch, numpy and the
 standard library; no vLLM) and its functions run. The same code, as each series ships it, is what
-tests/ple_ssd, tests/mtp_pruning and tests/v0_33 run inside real vLLM trees; check-sources
+tests/ple_ssd, tests/mtp_pruning, tests/release_python and tests/v0_33 run inside real vLLM trees; check-sources
 (tests/test_patch_tool.py) holds the patches to these files."""
 
 from __future__ import annotations
