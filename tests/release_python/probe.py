@@ -39,6 +39,28 @@ import torch
 torch.cpu._is_amx_tile_supported = lambda: False
 
 
+def pass_the_cpu_triton_gate() -> None:
+    """0.34's CPU platform refuses an x86 CPU without Triton's CPU backend (triton-cpu) when it
+    checks the config (`CpuPlatform.check_and_update_config`, vllm/platforms/cpu.py: "requires
+    Triton (triton-cpu)"): its CPU model runner compiles Triton kernels. The test venv's triton
+    has no CPU backend, so vLLM's HAS_TRITON is False here. Nothing this probe runs is a Triton
+    kernel (configuration, the draft's load, its logits and argmax in torch), so that one check
+    sees HAS_TRITON = True for the length of the call; everything else still sees False."""
+    import vllm.triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    checked = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        saved, vllm.triton_utils.HAS_TRITON = vllm.triton_utils.HAS_TRITON, True
+        try:
+            checked(cls, vllm_config)
+        finally:
+            vllm.triton_utils.HAS_TRITON = saved
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def build_config(scenario: dict):
     """The VllmConfig (or, with "spec_only", only its SpeculativeConfig: adaptive verification
     also needs full CUDA graphs, which VllmConfig refuses on this CPU)."""
@@ -110,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
+    if os.environ.get("PROBE_CPU_TRITON_GATE") == "open":
+        pass_the_cpu_triton_gate()
     results = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__, "cuda_qwen3_5_mtp": cuda_mtp_hooks()}
     initialized = False
     for scenario in map(json.loads, args.scenario):

@@ -43,6 +43,10 @@ def run_probe(release: str, overlay: Path, scenarios: list[dict], out: Path) -> 
     env = vllm_env(overlay, **runner)
     if not runner:
         env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if releases.key(release) >= releases.key("0.34.0"):
+        # 0.34's CPU platform refuses an x86 CPU without triton-cpu (0.33 warned): probe.py's
+        # pass_the_cpu_triton_gate says why that one check may be passed here.
+        env["PROBE_CPU_TRITON_GATE"] = "open"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = torch.load(out, weights_only=False)
@@ -114,7 +118,8 @@ def test_the_stock_release_has_no_draft_vocab_path(runs):
 
 
 def test_config_validates_the_keepset_and_turns_on_the_local_argmax(runs):
-    config = runs["series"]["config"]["config"]
+    config = runs["series"]["config"].get("config")
+    assert config, runs["series"]["config"]
     assert config["draft_vocab_path"].endswith("keep.npy")
     assert config["use_local_argmax_reduction"] is True
     assert "valid keep-set of 1364 of 4096 ids" in runs["series"]["log"]
