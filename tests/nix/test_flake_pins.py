@@ -282,6 +282,7 @@ def test_pin_generator_refuses_an_unknown_release_and_overrides_for_several(caps
             "requirement": f"vllm=={release}",
             "extra_requirements": releases.row(release)["pins"]["extra_requirements"],
             "uploaded_prior_to": "2026-11-30T00:00:00Z",
+            "overrides": releases.row(release)["pins"].get("overrides", {}),
         }
     }
     assert list(pin_wheels.parse_args([]).releases) == RELEASES
