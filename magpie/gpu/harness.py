@@ -114,16 +114,19 @@ DEPS = (
     "idna anyio typing-extensions fastapi starlette compressed-tensors loguru depyf astor dill lark "
     "openai-harmony llguidance xgrammar outlines-core apache-tvm-ffi"
 ).split()
-# From a release on, what changes in DEPS: `add`, packages the image has at a version that
-# release's metadata refuses (the 0.34.0 import probe, FACTS: the image's huggingface_hub 1.33.0,
-# tokenizers 0.23.2, setuptools 81.0.0, older aiohttp, pillow, filelock, certifi; its transformers
-# 5.17.0 refuses huggingface_hub 2.x at import: the H200 run of 2026-12-02), carried at the
-# release's pinned versions; `drop`, packages the release no longer pins (0.34.0 takes
-# openai_harmony from oss-harmony). A later release inherits both.
+# From a release on, what changes in DEPS: `add`, packages carried at the release's pinned
+# versions; `drop`, packages the release no longer pins. A later release inherits both.
+# 0.33.0: its metadata asks for oss-harmony (openai_harmony's module, vocabularies embedded) in
+# place of openai-harmony (requirements/common.txt of the 0.29.0 and 0.33.0 sdists; 0.33's pins
+# have no openai-harmony). 0.34.0: packages the image has at a version that release's metadata
+# refuses (the 0.34.0 import probe, FACTS: the image's huggingface_hub 1.33.0, tokenizers 0.23.2,
+# setuptools 81.0.0, older aiohttp, pillow, filelock, certifi; its transformers 5.17.0 refuses
+# huggingface_hub 2.x at import: the H200 run of 2026-12-02).
 DEPS_FROM = {
+    "0.33.0": {"add": ["oss-harmony"], "drop": ["openai-harmony"]},
     "0.34.0": {
-        "add": "huggingface-hub tokenizers aiohttp pillow filelock certifi setuptools oss-harmony transformers".split(),
-        "drop": ["openai-harmony"],
+        "add": "huggingface-hub tokenizers aiohttp pillow filelock certifi setuptools transformers".split(),
+        "drop": [],
     },
 }
 

@@ -394,3 +394,63 @@ def test_every_configuration_of_every_suite_is_runnable_as_written(monkeypatch):
             before.add(cfg["name"])
     with pytest.raises(KeyError):
         worker.llm_kwargs({**suites.SUITES["mtp"][0], "compile": "turbo"}, "/models/inc")
+
+
+@pytest.mark.parametrize("release", releases.series_releases())
+def test_every_package_the_harness_carries_for_a_release_is_in_its_pins(release):
+    """`prepare --release R` carries deps_for(R) at R's pinned versions and refuses a name that R
+    does not pin: every series release's own requirements file must have them all (0.33.0 pins
+    oss-harmony, not 0.29's openai-harmony)."""
+    pins = harness.pinned(harness.requirements_of(release))
+    missing = [name for name in harness.deps_for(release) if name not in pins]
+    assert not missing, f"{harness.requirements_of(release)} lacks {missing}"
+
+
+def test_deps_change_from_the_release_that_changed_them_and_later_ones_inherit():
+    assert harness.deps_for("0.29.0") == list(harness.DEPS)
+    on_033, on_034 = harness.deps_for("0.33.0"), harness.deps_for("0.34.0")
+    assert "openai-harmony" not in on_033 and "oss-harmony" in on_033
+    added = set(on_034) - set(on_033)
+    image_refused = {"huggingface-hub", "tokenizers", "aiohttp", "pillow", "filelock", "certifi", "setuptools"}
+    assert added == (image_refused | {"transformers"}) - set(harness.DEPS)
+    assert harness.deps_for("0.34.2") == harness.deps_for("0.35.0") == on_034
+    assert len(on_034) == len(set(on_034))  # a package already carried is not carried twice
+
+
+def test_run_asks_for_the_v2_runner_only_where_the_staged_release_has_the_switch(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "GPUH", tmp_path)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # a caller's value never reaches the workers
+    assert harness.staged_release() == harness.RELEASE  # nothing staged
+    assert harness.run_env("0.33.0")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in harness.run_env("0.34.0")
+    (tmp_path / "manifest-site.json").write_text(json.dumps({"release": "0.34.0"}))
+    assert harness.staged_release() == "0.34.0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in harness.run_env()
+
+
+def test_a_configuration_a_staged_release_cannot_run_is_named_with_the_reason():
+    from magpie.gpu import suites
+
+    fp8 = next(cfg for cfg in suites.SUITES["scale"] if cfg["name"] == "scale-fp-k10k-fp8")
+    assert fp8["min_release"] == "0.33.0" and fp8["draft_quant"] == "fp8"
+    assert "needs vLLM 0.33.0 or later (min_release), the staged site is 0.29.0" in suites.not_on_release(fp8, "0.29.0")
+    assert suites.not_on_release(fp8, "0.33.0") is None and suites.not_on_release(fp8, "0.34.0") is None
+    v1 = {"name": "v1", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+    assert suites.not_on_release(v1, "0.33.0") is None
+    assert "no longer has" in suites.not_on_release(v1, "0.34.0")
+    # Every configuration as written runs on the newest series release.
+    newest = releases.series_releases()[-1]
+    assert [c["name"] for s in suites.SUITES.values() for c in s if suites.not_on_release(c, newest)] == []
+
+
+def test_the_fp8_scale_configurations_ask_vllm_for_the_quantized_drafter_head(monkeypatch):
+    from magpie.gpu import suites, worker
+
+    monkeypatch.setenv("GPUH_MODELS", "/models")
+    quantized = [cfg for cfg in suites.SUITES["scale"] if cfg.get("draft_quant")]
+    assert [cfg["name"] for cfg in quantized] == ["scale-fp-base-fp8", "scale-fp-k10k-fp8"]
+    for cfg in quantized:
+        spec = worker.llm_kwargs(cfg, "/models/" + cfg["model"])["speculative_config"]
+        assert spec["draft_lm_head_quantization"] == "fp8"
+        assert ("draft_vocab_path" in spec) == (cfg["keep"] is not None)
+        assert cfg["reps"] == 5 and cfg["compare_to"] == "scale-fp-base"

