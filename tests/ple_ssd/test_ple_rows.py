@@ -129,7 +129,7 @@ def test_refusals(tmp_path):
     tables, paths, shards = _write_table(tmp_path, PLANES["bf16"], SHARDS * SHARD_ROWS)
     gather = ple_rows.RowGather(shards["weight"], 320, SHARD_ROWS)
     try:
-        with pytest.raises(IndexError, match="out of range for shard 1"):
+        with pytest.raises(IndexError, match="out of range"):
             gather.read_rows(torch.tensor([1]), torch.tensor([SHARD_ROWS]), torch.empty(1, 320, dtype=torch.uint8))
         with pytest.raises(ValueError, match="sorted by shard"):
             gather.read_rows(torch.tensor([0, 1, 0]), torch.tensor([1, 1, 2]), torch.empty(3, 320, dtype=torch.uint8))
