@@ -13,6 +13,7 @@ so the gather's page faults wait on reads already in flight instead of
 issuing them one at a time. Standalone: no vLLM import.
 """
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -77,10 +78,9 @@ class MappedShard:
 
     def close(self) -> None:
         self.rows = None
-        try:
+        # A tensor may still view the mapping; it is then released with it.
+        with contextlib.suppress(BufferError):
             self.map.close()
-        except BufferError:
-            pass  # a tensor still views the mapping; it is released with it
         os.close(self.fd)
 
     def resident(self, local: torch.Tensor) -> bool:
@@ -103,9 +103,7 @@ class MappedShard:
         new = torch.ones_like(first, dtype=torch.bool)
         new[1:] = first[1:] > last[:-1] + 1
         ends = torch.cat([new[1:], new.new_ones(1)])
-        return list(
-            zip(first[new].tolist(), (last[ends] - first[new] + 1).tolist())
-        )
+        return list(zip(first[new].tolist(), (last[ends] - first[new] + 1).tolist()))
 
 
 class RowGather:
@@ -199,7 +197,7 @@ class RowGather:
         step = max(1, total // _SAMPLE_ROWS)
         for s, begin, end in spans:
             picks = local[begin:end:step] if end - begin > step else local[begin:end]
-            yield self.shards[s].resident(picks[: _SAMPLE_ROWS])
+            yield self.shards[s].resident(picks[:_SAMPLE_ROWS])
 
     def _queue_reads(self, spans, local) -> None:
         runs = [
