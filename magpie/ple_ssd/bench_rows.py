@@ -196,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROW_COUNTS))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=4, help="ple_rows gather/populate threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="ple_rows' torch threads for a large gather (default: CPUs, at most 8)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the table file")
     args = parser.parse_args(argv)

@@ -6,7 +6,8 @@ Engram disk_offload_gather (magpie-vllm-plugins ple_ssd): each shard of a
 table plane (the rows, or NVFP4's block scales) is mapped read-only where the
 checkpoint stores it, and a step's rows are copied by one `torch.index_select`
 per shard on a tensor viewing the mapping, instead of one `os.preadv` call per
-row. When the pages of the step's rows are not resident (a `mincore` sample
+row (torch's thread count raised for that call only when the step is large).
+When the pages of the step's rows are not resident (a `mincore` sample
 decides), every read the step needs is queued before the gather (per page
 run: `posix_fadvise(WILLNEED)`, or `MADV_POPULATE_READ` spread over threads),
 so the gather's page faults wait on reads already in flight instead of
@@ -31,8 +32,9 @@ _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux 5.14
 # Rows sampled with mincore to tell a warm step from a cold one.
 _SAMPLE_ROWS = 16
-# Below this many bytes a step's gather runs on the calling thread alone.
-_PARALLEL_BYTES = 1 << 20
+# From this many bytes (512 rows of 320 B) a step's gather runs on several torch
+# threads: on an H200 host they paid from 512 rows on (docs/ple_ssd.md).
+_PARALLEL_BYTES = 160 << 10
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
@@ -115,9 +117,11 @@ class RowGather:
         row_bytes: int,
         shard_size: int,
         prefetch: str = "fadvise",
-        threads: int = 4,
+        threads: int | None = None,
     ) -> None:
-        """`shards`: index -> (file path, byte offset, rows) for each shard."""
+        """`shards`: index -> (file path, byte offset, rows) for each shard.
+        `threads`: torch threads of a large gather, and MADV_POPULATE_READ threads
+        (default: the CPUs this process may use, at most 8)."""
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {PREFETCH_MODES}: {prefetch}")
         if sorted(shards) != list(range(len(shards))):
@@ -125,6 +129,8 @@ class RowGather:
         self.row_bytes = row_bytes
         self.shard_size = shard_size
         self.prefetch = prefetch
+        if threads is None:
+            threads = min(8, len(os.sched_getaffinity(0)))
         self.threads = max(1, threads)
         self.shards = [
             MappedShard(path, offset, rows, row_bytes)
@@ -226,21 +232,18 @@ class RowGather:
         self._map(populate, [part for part in parts if part])
 
     def _gather(self, spans, local, out) -> None:
-        jobs = []
-        nbytes = local.numel() * self.row_bytes
-        pieces = self.threads if nbytes >= _PARALLEL_BYTES else 1
-        for s, begin, end in spans:
-            step = max(1, -(-(end - begin) // pieces))
-            for lo in range(begin, end, step):
-                hi = min(end, lo + step)
-                jobs.append((self.shards[s].rows, local[lo:hi], out[lo:hi]))
-
-        def gather(job):
-            rows, index, target = job
-            torch.index_select(rows, 0, index, out=target)
-
-        if pieces == 1:
-            for job in jobs:
-                gather(job)
-        else:
-            self._map(gather, jobs)
+        # One index_select per shard; a large step runs it with torch's thread count
+        # raised for this call only (the server keeps one thread for the rest).
+        previous = torch.get_num_threads()
+        large = local.numel() * self.row_bytes >= _PARALLEL_BYTES
+        threads = max(previous, self.threads) if large else previous
+        if threads != previous:
+            torch.set_num_threads(threads)
+        try:
+            for s, begin, end in spans:
+                torch.index_select(
+                    self.shards[s].rows, 0, local[begin:end], out=out[begin:end]
+                )
+        finally:
+            if threads != previous:
+                torch.set_num_threads(previous)
