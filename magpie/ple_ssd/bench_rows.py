@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=None,
-        help="ple_rows' torch threads for a large gather (default: CPUs, at most 8)",
+        help="ple_rows' torch threads for a large gather (default: CPUs less one, at most 8)",
     )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the table file")
