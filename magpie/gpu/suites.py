@@ -280,7 +280,92 @@ PLE_SCALE = [
     ),
 ]
 
-SUITES = {"mtp": MTP, "ple": PLE, "scale": SCALE, "ple-scale": PLE_SCALE}
+
+# Issue 30: vLLM 0.34.0's own Engram disk_offload (one os.preadv per row) against the same with
+# ple_ssd 0.34 0001's disk_offload_gather (rows gathered from mapped shards), on the 17.4 GB table:
+# warm, cold (evicted first) and bounded (a cgroup leaving a quarter of the table to the page
+# cache, filled before the decode window); each also times one 16,384-token prompt's TTFT; token
+# ids compared with the GPU-resident table's run (cpu_offload false).
+def _ple_scale_034(name, engram, about, **extra):
+    # _ple_scale's fields, with room for the long prompt and its upstream staging.
+    cfg = _ple(
+        name,
+        "fdo",
+        False,
+        about,
+        model="q4e16",
+        checks=["ple_scale"],
+        max_num_batched_tokens=None,
+        gpu_memory_utilization=0.35,
+        min_release="0.34.0",
+        max_model_len=17_408,
+        timeout_s=480,
+        min_s=300,
+        **extra,
+    )
+    cfg["llm_extra"] = {**cfg["llm_extra"], "engram_config": engram}
+    return cfg
+
+
+_DISK_034 = {"disk_offload": True}
+_GATHER_034 = {"disk_offload": True, "disk_offload_gather": True}
+PLE_SCALE_034 = [
+    _ple_scale_034(
+        "q4e16-034-resident",
+        {"cpu_offload": False},
+        "17.4 GB table resident in GPU memory: the reference",
+        long_prompt_tokens=16_384,
+    ),
+    *(
+        _ple_scale_034(
+            f"q4e16-034-{kind}-warm",
+            engram,
+            f"{what}, the table's pages in the page cache",
+            compare_to="q4e16-034-resident",
+            long_prompt_tokens=16_384,
+        )
+        for kind, engram, what in (
+            ("disk", _DISK_034, "upstream disk_offload (a preadv per row)"),
+            ("gather", _GATHER_034, "disk_offload + disk_offload_gather (ple_ssd 0.34 0001)"),
+        )
+    ),
+    *(
+        _ple_scale_034(
+            f"q4e16-034-{kind}-cold",
+            engram,
+            f"{what}, the table evicted first",
+            compare_to="q4e16-034-resident",
+            long_prompt_tokens=16_384,
+            evict_table=True,
+        )
+        for kind, engram, what in (
+            ("disk", _DISK_034, "upstream disk_offload"),
+            ("gather", _GATHER_034, "disk_offload_gather"),
+        )
+    ),
+    *(
+        _ple_scale_034(
+            f"q4e16-034-{kind}-bound",
+            engram,
+            f"{what}, table evicted, a cgroup memory.max leaving a quarter of the table to the page "
+            "cache, 8 GiB of the table read first to fill it",
+            compare_to="q4e16-034-resident",
+            long_prompt_tokens=16_384,
+            evict_table=True,
+            page_cache_fraction=0.25,
+            bound_after=f"q4e16-034-{kind}-warm",
+            fill_table_gib=8,
+        )
+        for kind, engram, what in (
+            ("disk", _DISK_034, "upstream disk_offload"),
+            ("gather", _GATHER_034, "disk_offload_gather"),
+        )
+    ),
+]
+# The suites whose checkpoints prepare_models writes as another suite's.
+MODELS_OF_SUITE = {"ple-scale-034": "ple-scale"}
+
+SUITES = {"mtp": MTP, "ple": PLE, "scale": SCALE, "ple-scale": PLE_SCALE, "ple-scale-034": PLE_SCALE_034}
 
 
 def not_on_release(cfg: dict, release: str) -> str | None:
@@ -300,6 +385,7 @@ def prepare_models(suite: str, models_dir: Path) -> None:
     """Write the suite's large checkpoints on the GPU machine (they never travel)."""
     from magpie.gpu import models
 
+    suite = MODELS_OF_SUITE.get(suite, suite)
     if suite == "mtp" and not (models_dir / "big" / "model.safetensors").exists():
         models.materialize_big(models_dir / "big-spec", models_dir / "big")
         print(f"[models] wrote {models_dir / 'big'}", flush=True)

@@ -1,0 +1,251 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Gather n-gram table rows from the checkpoint files through file mappings.
+
+Engram disk_offload_gather (magpie-vllm-plugins ple_ssd): each shard of a
+table plane (the rows, or NVFP4's block scales) is mapped read-only where the
+checkpoint stores it, and a step's rows are copied by one `torch.index_select`
+per shard on a tensor viewing the mapping, instead of one `os.preadv` call per
+row (torch's thread count raised for that call only when the step is large).
+When the pages of the step's rows are not resident (a `mincore` sample
+decides), every read the step needs is queued before the gather (per page
+run: `posix_fadvise(WILLNEED)`, or `MADV_POPULATE_READ` spread over threads),
+so the gather's page faults wait on reads already in flight instead of
+issuing them one at a time. Standalone: no vLLM import.
+"""
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+# Plane dtypes served as stored: BF16 rows, FP8 rows, NVFP4 packed E2M1 bytes
+# (uint8) with their FP8 block-scale plane.
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)
+PREFETCH_MODES = ("fadvise", "populate")
+
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = 22  # Linux 5.14
+# Rows sampled with mincore to tell a warm step from a cold one.
+_SAMPLE_ROWS = 16
+# From this many bytes (512 rows of 320 B) a step's gather runs on several torch
+# threads: on an H200 host they paid from 512 rows on (docs/ple_ssd.md).
+_PARALLEL_BYTES = 160 << 10
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def check_plane_dtype(name: str, dtype: torch.dtype) -> None:
+    """Refuse a plane dtype the gather does not serve."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"Engram disk_offload_gather serves BF16, FP8 and NVFP4 tables; "
+            f"plane {name} is {dtype}: set disk_offload_gather=false"
+        )
+
+
+class MappedShard:
+    """One shard's rows, mapped read-only from its checkpoint file."""
+
+    def __init__(self, path: str, offset: int, num_rows: int, row_bytes: int):
+        self.path = path
+        self.num_rows = num_rows
+        self.row_bytes = row_bytes
+        nbytes = num_rows * row_bytes
+        if os.path.getsize(path) < offset + nbytes:
+            raise ValueError(
+                f"PLE shard file {path} is truncated: {nbytes} bytes expected "
+                f"at offset {offset}"
+            )
+        self._vec = ctypes.create_string_buffer(1)
+        self.fd = os.open(path, os.O_RDONLY)
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        self.delta = offset - base
+        self.file_base = base
+        # ACCESS_COPY: a private mapping, writable for torch.frombuffer; it is
+        # only ever read, so its pages stay the page cache's.
+        self.map = mmap.mmap(
+            self.fd, self.delta + nbytes, access=mmap.ACCESS_COPY, offset=base
+        )
+        self.map.madvise(mmap.MADV_RANDOM)
+        flat = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.address = flat.data_ptr()
+        self.rows = flat[self.delta : self.delta + nbytes].view(num_rows, row_bytes)
+
+    def close(self) -> None:
+        self.rows = None
+        # A tensor may still view the mapping; it is then released with it.
+        with contextlib.suppress(BufferError):
+            self.map.close()
+        os.close(self.fd)
+
+    def resident(self, local: torch.Tensor) -> bool:
+        """Whether the first page of each of these rows is in the page cache."""
+        vec = self._vec
+        for row in local.tolist():
+            page = (self.delta + row * self.row_bytes) // _PAGE * _PAGE
+            if _libc.mincore(self.address + page, _PAGE, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore on {self.path}")
+            if not vec.raw[0] & 1:
+                return False
+        return True
+
+    def page_runs(self, local: torch.Tensor) -> list[tuple[int, int]]:
+        """(first page, page count) of each run of pages holding sorted rows,
+        counted from the start of the mapping."""
+        start = self.delta + local * self.row_bytes
+        first = start // _PAGE
+        last = (start + self.row_bytes - 1) // _PAGE
+        new = torch.ones_like(first, dtype=torch.bool)
+        new[1:] = first[1:] > last[:-1] + 1
+        ends = torch.cat([new[1:], new.new_ones(1)])
+        return list(zip(first[new].tolist(), (last[ends] - first[new] + 1).tolist()))
+
+
+class RowGather:
+    """One table plane's shards and the reads of a step's rows from them."""
+
+    def __init__(
+        self,
+        shards: dict[int, tuple[str, int, int]],
+        row_bytes: int,
+        shard_size: int,
+        prefetch: str = "fadvise",
+        threads: int | None = None,
+    ) -> None:
+        """`shards`: index -> (file path, byte offset, rows) for each shard.
+        `threads`: torch threads of a large gather, and MADV_POPULATE_READ threads
+        (default: the CPUs this process may use less one, at most 8)."""
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {PREFETCH_MODES}: {prefetch}")
+        if sorted(shards) != list(range(len(shards))):
+            raise ValueError(f"PLE shards {sorted(shards)} are not 0..n-1")
+        self.row_bytes = row_bytes
+        self.shard_size = shard_size
+        self.prefetch = prefetch
+        if threads is None:
+            # One CPU left to the rest of the server: on a 2-CPU VM under load,
+            # two threads made a 32,768-row gather 30-100x slower than one.
+            threads = min(8, len(os.sched_getaffinity(0)) - 1)
+        self.threads = max(1, threads)
+        self.shards = [
+            MappedShard(path, offset, rows, row_bytes)
+            for _, (path, offset, rows) in sorted(shards.items())
+        ]
+        self._rows_per_shard = torch.tensor([m.num_rows for m in self.shards])
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.last_cold = False
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        for shard in self.shards:
+            shard.close()
+
+    def unmap_pages(self) -> None:
+        """Drop this process's mappings of the shards' pages (the page cache keeps
+        them), so that posix_fadvise(DONTNEED) can evict them; for benchmarks."""
+        for shard in self.shards:
+            shard.map.madvise(mmap.MADV_DONTNEED)
+
+    def _map(self, fn, items: list) -> None:
+        if self.threads == 1 or len(items) == 1:
+            for item in items:
+                fn(item)
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, "ple_rows")
+        for future in [self._pool.submit(fn, item) for item in items]:
+            future.result()
+
+    def _spans(self, shard: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(shard, begin, end) of each shard's stretch of non-decreasing ids."""
+        if shard.numel() == 0:
+            return []
+        if bool((shard == shard[0]).all()):
+            return [(int(shard[0]), 0, shard.numel())]
+        cut = (shard[1:] != shard[:-1]).nonzero().flatten() + 1
+        bounds = [0, *cut.tolist(), shard.numel()]
+        which = shard[bounds[:-1]].tolist()
+        if len(set(which)) != len(which):
+            raise ValueError("PLE row ids must be sorted by shard")
+        return [(s, b, e) for s, b, e in zip(which, bounds[:-1], bounds[1:])]
+
+    def read_rows(
+        self, shard: torch.Tensor, local: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Copy rows `local` of shards `shard` (sorted by shard) into `out`,
+        a contiguous uint8 (rows, row_bytes) host tensor."""
+        if out.dtype != torch.uint8 or out.shape != (local.numel(), self.row_bytes):
+            raise ValueError(
+                f"out must be uint8 {(local.numel(), self.row_bytes)}, got "
+                f"{out.dtype} {tuple(out.shape)}"
+            )
+        if local.numel() and bool((local >= self._rows_per_shard[shard]).any()):
+            raise IndexError(
+                f"PLE row out of range for the shards' rows "
+                f"{self._rows_per_shard.tolist()}"
+            )
+        spans = self._spans(shard)
+        self.last_cold = not all(self._sample_resident(spans, local))
+        if self.last_cold:
+            self._queue_reads(spans, local)
+        self._gather(spans, local, out)
+
+    def _sample_resident(self, spans, local):
+        total = local.numel()
+        step = max(1, total // _SAMPLE_ROWS)
+        for s, begin, end in spans:
+            picks = local[begin:end:step] if end - begin > step else local[begin:end]
+            yield self.shards[s].resident(picks[:_SAMPLE_ROWS])
+
+    def _queue_reads(self, spans, local) -> None:
+        runs = [
+            (self.shards[s], first, count)
+            for s, begin, end in spans
+            for first, count in self.shards[s].page_runs(local[begin:end])
+        ]
+        if self.prefetch == "fadvise":
+            for mapped, first, count in runs:
+                os.posix_fadvise(
+                    mapped.fd,
+                    mapped.file_base + first * _PAGE,
+                    count * _PAGE,
+                    os.POSIX_FADV_WILLNEED,
+                )
+            return
+
+        def populate(part):
+            for mapped, first, count in part:
+                address = mapped.address + first * _PAGE
+                if _libc.madvise(address, count * _PAGE, _MADV_POPULATE_READ):
+                    errno = ctypes.get_errno()
+                    raise OSError(errno, f"MADV_POPULATE_READ on {mapped.path}")
+
+        parts = [runs[i :: self.threads] for i in range(self.threads)]
+        self._map(populate, [part for part in parts if part])
+
+    def _gather(self, spans, local, out) -> None:
+        # One index_select per shard; a large step runs it with torch's thread count
+        # raised for this call only (the server keeps one thread for the rest).
+        previous = torch.get_num_threads()
+        large = local.numel() * self.row_bytes >= _PARALLEL_BYTES
+        threads = max(previous, self.threads) if large else previous
+        if threads != previous:
+            torch.set_num_threads(threads)
+        try:
+            for s, begin, end in spans:
+                torch.index_select(
+                    self.shards[s].rows, 0, local[begin:end], out=out[begin:end]
+                )
+        finally:
+            if threads != previous:
+                torch.set_num_threads(previous)
