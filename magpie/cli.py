@@ -255,6 +255,7 @@ _ERRNO_FIX = {
     errno.EROFS: "the file system is read-only; write elsewhere",
     errno.ENAMETOOLONG: "the name is too long; give a shorter path",
     errno.ELOOP: "too many symbolic links; give the file itself",
+    errno.EEXIST: "exists, and is in the way (a file where a folder is needed?); choose another path",
 }
 
 
@@ -278,7 +279,7 @@ def describe_error(error: BaseException, opened: str | None = None) -> str:
         return f"{where}out of memory (an input larger than it claims, or too large for this machine)"
     if isinstance(error, files.InputError) or str(error).startswith("draft_vocab_path "):
         return str(error)  # names the input and the fix itself
-    detail = str(error) or type(error).__name__
+    detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)[:300]
     while_reading = f" (the input last opened: {opened})" if opened else ""
     return (
         f"{type(error).__name__}: {detail}{while_reading}; check that input, or set {TRACEBACK_VARIABLE}=1 "

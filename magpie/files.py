@@ -55,6 +55,7 @@ __all__ = [
     "check_distinct",
     "check_input",
     "check_output",
+    "check_output_place",
     "read_json",
     "schema",
     "schema_of",
@@ -141,10 +142,29 @@ def check_output(path: str | os.PathLike | None, force: bool, flag: str = "--for
     """Refuse an existing output unless `force`: call before any work. `path` None (no output
     asked for) or '-' (stdout) passes. `flag` is the option that allows replacing; `what` names
     the option that gave the path, for the message."""
-    if path is None or os.fspath(path) in ("", "-") or force:
+    if path is None or os.fspath(path) in ("", "-"):
+        return
+    check_output_place(path, what)
+    if force:
         return
     if os.path.lexists(path):
         raise OutputExists(path, flag, what)
+
+
+def check_output_place(path: str | os.PathLike, what: str = "--output") -> None:
+    """Refuse (InputError) an output that cannot be written where it is asked for, before any
+    work: a folder in its place, a file where one of its folders should be, a folder that is not
+    writable."""
+    name = os.path.abspath(os.fspath(path))
+    if os.path.isdir(name):
+        raise InputError(f"{what} {os.fspath(path)}: is a folder; give a file name")
+    parent = os.path.dirname(name)
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise InputError(f"{what} {os.fspath(path)}: {parent} is a file, not a folder; choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {os.fspath(path)}: the folder {parent} is not writable; choose another path")
 
 
 def check_distinct(outputs: list[tuple[str, str | os.PathLike | None]], inputs=()) -> None:

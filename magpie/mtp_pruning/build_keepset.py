@@ -92,16 +92,17 @@ def special_ids(tokenizer_name: str) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def load_keep_set(path: str):
+def load_keep_set(path: str, vocab_size: int | None = None):
     """A keep-set to --union, read and checked by the mtp_pruning patch's own rules, those vLLM
     applies to draft_vocab_path (magpie.serving.preflight.read_keep_ids: .pt with weights_only,
     .npy and .safetensors without unpickling; integer, 1-D, non-empty, sorted, unique,
-    non-negative): a file vLLM would refuse is refused here, for the same reason. The upper bound
-    is the counts' vocabulary, checked by build_keep_set."""
+    non-negative; inside [0, vocab_size) when it is given, and what the file may hold or inflate
+    to bounded by it before it is read): a file vLLM would refuse is refused here, for the same
+    reason."""
     from magpie.serving import preflight
 
     try:
-        return preflight.read_keep_ids(path).numpy()
+        return preflight.read_keep_ids(path, vocab_size).numpy()
     except preflight.Refused as e:
         raise ValueError(f"--union: {e}") from None
 
@@ -190,7 +191,7 @@ def check_arguments(args, outputs: list[tuple[str, str | Path | None]]) -> int |
     begin."""
     problem = None
     try:
-        args.extra_ranges = parse_id_ranges(args.extra_ids)
+        args.extra_ranges = parse_id_ranges(getattr(args, "extra_ids", ""))
     except ValueError as e:
         args.extra_ranges, problem = [], str(e)
     if problem is None and not 0 < args.coverage <= 1:
@@ -200,8 +201,8 @@ def check_arguments(args, outputs: list[tuple[str, str | Path | None]]) -> int |
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    inputs = [("counts", c) for c in args.counts] + [("--holdout", args.holdout)]
-    inputs += [("--union", u) for u in args.union]
+    inputs = [("counts", c) for c in getattr(args, "counts", [])] + [("--holdout", getattr(args, "holdout", None))]
+    inputs += [("--union", u) for u in getattr(args, "union", [])]
     files.check_distinct(outputs, inputs)
     for option, path in inputs:
         files.check_input(path, option)
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             args.coverage,
             specials=specials,
             extra_ids=id_ranges_to_ids(args.extra_ranges, counts.shape[0]),
-            unions=[load_keep_set(u) for u in args.union],
+            unions=[load_keep_set(u, counts.shape[0]) for u in args.union],
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -117,7 +117,7 @@ def items_from_result_file(document: dict) -> Iterator[Generated]:
 
 def items_from_file(path: Path) -> Iterator[Generated]:
     if path.suffix == ".json":
-        document = json.loads(path.read_text(encoding="utf-8"))
+        document = files.read_json(path, (dict, list), "a bench or gsm8k result, or a JSON list of texts")
         if isinstance(document, dict) and isinstance(document.get("records"), list):
             yield from items_from_result_file(document)
         else:
@@ -359,12 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.add_to and _same_file(args.add_to, args.output)):
         files.check_output(args.output, args.force)
     files.check_output(args.summary, args.force, what="--summary")
+    files.check_distinct([("--output", args.output), ("--summary", args.summary)], [("input", i) for i in args.inputs])
+    files.check_distinct([("--summary", args.summary)], [("--add-to", args.add_to)])
     vocab_size = args.vocab_size if args.vocab_size is not None else read_vocab_size(Path(args.model))
     try:
         inputs = input_files(args.inputs)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # The counts to add to, checked before the corpus is counted.
+    earlier = load_counts(Path(args.add_to), vocab_size, "--add-to") if args.add_to else None
     counts, summary = count(inputs, load_tokenizer(tokenizer_name), vocab_size, args.batch_size, args.quiet)
     if summary["tokens"] == 0:
         print(
@@ -374,8 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     summary["added_to"] = None
-    if args.add_to:
-        earlier = load_counts(Path(args.add_to), vocab_size)
+    if earlier is not None:
         summary["added_to"] = {"path": args.add_to, "tokens": int(earlier.sum())}
         counts = counts + earlier
         summary["total_tokens"] = int(counts.sum())
