@@ -297,6 +297,7 @@ def run_tool(name: str, main: Callable[[Sequence[str] | None], int | None], argv
     previous = signal.getsignal(signal.SIGTERM)
 
     def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         raise Stopped
 
     if previous == signal.SIG_DFL:
@@ -319,5 +320,5 @@ def run_tool(name: str, main: Callable[[Sequence[str] | None], int | None], argv
         sys.stderr.write(f"magpie {name}: {describe_error(error, opened.path)}\n")
         return 1
     finally:
-        if previous == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is stop:
+        if previous == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) in (stop, signal.SIG_IGN):
             signal.signal(signal.SIGTERM, previous)
