@@ -77,6 +77,7 @@ def bad(tmp_path_factory) -> Path:
     (root / "text.npy").write_text("not an array\n")
     (root / "trunc.json").write_text('{"records": [')
     (root / "list.json").write_text("[1, 2]\n")
+    (root / "events.json").write_text('{"traceEvents": [1, 2]}')
     (root / "folder").mkdir()
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
@@ -123,6 +124,8 @@ CASES = [
     ("log-check-missing", ["log-check", "{d}/nope.log"], ["nope.log", "no such file"], (1,)),
     ("log-check-folder", ["log-check", "{d}/folder"], ["folder", "is a folder"], (1,)),
     ("trace-split-cut-gzip", ["trace-split", "{d}/trace.json.gz"], ["trace.json.gz"], (1, 2)),
+    ("trace-split-events-not-objects", ["trace-split", "{d}/events.json"], ["events.json", "not an object"], (2,)),
+    ("trace-split-empty-folder", ["trace-split", "{d}/folder"], ["no .json", "folder"], (2,)),
     ("trace-split-missing", ["trace-split", "{d}/nope.json"], ["nope.json"], (1, 2)),
     ("gsm8k-missing-dataset", ["gsm8k", "--url", "http://127.0.0.1:9", "--dataset", "{d}/nope.jsonl"],
      ["nope.jsonl", "no such file"], (1,)),
