@@ -31,6 +31,7 @@ import json
 import os
 import re
 import signal
+import struct
 import sys
 from collections.abc import Callable, Sequence
 
@@ -276,7 +277,9 @@ def describe_error(error: BaseException, opened: str | None = None) -> str:
     if isinstance(error, re.error):
         return f"bad regular expression {error.pattern!r}: {error.msg}; fix the pattern (Python `re` syntax)"
     if isinstance(error, MemoryError):
-        return f"{where}out of memory (an input larger than it claims, or too large for this machine)"
+        return f"{where}out of memory reading it (a corrupt header claiming a huge size?); check the file"
+    if isinstance(error, struct.error):
+        return f"{where}truncated, or not the binary format expected ({error}); check the file"
     if isinstance(error, files.InputError) or str(error).startswith("draft_vocab_path "):
         return str(error)  # names the input and the fix itself
     detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)[:300]

@@ -78,6 +78,10 @@ def bad(tmp_path_factory) -> Path:
     (root / "trunc.json").write_text('{"records": [')
     (root / "list.json").write_text("[1, 2]\n")
     (root / "events.json").write_text('{"traceEvents": [1, 2]}')
+    (root / "huge-header").mkdir()  # a safetensors header claiming 1 TiB
+    (root / "huge-header" / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    (root / "cut-header").mkdir()
+    (root / "cut-header" / "model.safetensors").write_bytes(b"abc")
     (root / "folder").mkdir()
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
@@ -126,6 +130,8 @@ CASES = [
     ("trace-split-cut-gzip", ["trace-split", "{d}/trace.json.gz"], ["trace.json.gz"], (1, 2)),
     ("trace-split-events-not-objects", ["trace-split", "{d}/events.json"], ["events.json", "not an object"], (2,)),
     ("trace-split-empty-folder", ["trace-split", "{d}/folder"], ["no .json", "folder"], (2,)),
+    ("ple-warmup-huge-header", ["ple-warmup", "status", "{d}/huge-header"], ["model.safetensors"], (1, 2)),
+    ("ple-warmup-cut-header", ["ple-warmup", "status", "{d}/cut-header"], ["model.safetensors"], (1, 2)),
     ("trace-split-missing", ["trace-split", "{d}/nope.json"], ["nope.json"], (1, 2)),
     ("gsm8k-missing-dataset", ["gsm8k", "--url", "http://127.0.0.1:9", "--dataset", "{d}/nope.jsonl"],
      ["nope.jsonl", "no such file"], (1,)),
