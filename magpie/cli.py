@@ -204,7 +204,8 @@ class Stopped(KeyboardInterrupt):
 
 class _Opened:
     """The last file the tool opened that is not part of Python, the installed packages or magpie
-    itself (an audit hook sees every open): the input an error most likely came from."""
+    itself, or the last URL it requested (an audit hook sees every open and urllib request): the
+    input an error most likely came from."""
 
     def __init__(self) -> None:
         self.path: str | None = None
@@ -217,6 +218,9 @@ class _Opened:
         )
 
     def hook(self, event: str, args: tuple) -> None:
+        if event == "urllib.Request" and args and isinstance(args[0], str):
+            self.path, self.writing = args[0], False  # a reply read from a server is an input too
+            return
         if event != "open" or not args:
             return
         path = args[0]

@@ -6,11 +6,13 @@ vocabulary, a .pt that inflates, a log with no evidence, refused before any work
 from __future__ import annotations
 
 import gzip
+import http.server
 import io
 import json
 import os
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -57,6 +59,8 @@ def max_rss_mib(*args) -> tuple[subprocess.CompletedProcess, float]:
 def assert_one_line(proc: subprocess.CompletedProcess, *words: str, codes=(1,)) -> str:
     """The run failed with `codes`, its stderr one line (no traceback) holding every one of `words`."""
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    if lines and lines[0].startswith("usage:"):  # argparse's usage block, then its one error line
+        lines = lines[-1:]
     assert proc.returncode in codes, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1, proc.stderr
@@ -77,6 +81,7 @@ def bad(tmp_path_factory) -> Path:
     (root / "text.npy").write_text("not an array\n")
     (root / "trunc.json").write_text('{"records": [')
     (root / "list.json").write_text("[1, 2]\n")
+    (root / "gsm8k.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
     (root / "events.json").write_text('{"traceEvents": [1, 2]}')
     (root / "huge-header").mkdir()  # a safetensors header claiming 1 TiB
     (root / "huge-header" / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
@@ -137,6 +142,8 @@ CASES = [
      ["nope.jsonl", "no such file"], (1,)),
     ("gsm8k-folder-dataset", ["gsm8k", "--url", "http://127.0.0.1:9", "--dataset", "{d}/folder"],
      ["folder"], (1,)),
+    ("gsm8k-url-without-scheme", ["gsm8k", "--url", "127.0.0.1:9", "--dataset", "{d}/gsm8k.jsonl"],
+     ["--url", "http://127.0.0.1:9"], (2,)),
     ("fit-keepset-missing-model", ["fit-keepset", "{d}/list.json", "--model", "{d}/nope", "-o", "{d}/f.npy"],
      ["--model", "nope", "no such folder"], (1,)),
     ("bench-pruned-missing-keepset", ["bench-pruned", "--model", "{d}/model", "--keepset", "{d}/nope.npy",
@@ -229,3 +236,34 @@ def test_log_check_streams_a_large_log(tmp_path):
     proc, rss = max_rss_mib("log-check", log)
     assert proc.returncode == 0, proc.stderr
     assert rss < 120, rss
+
+
+class _Server(http.server.BaseHTTPRequestHandler):
+    """/health answers; /v1/models answers with what the test put in `models`."""
+
+    models = b""
+
+    def do_GET(self):
+        body = b"ok" if self.path == "/health" else self.models
+        self.send_response(200 if self.path in ("/health", "/v1/models") else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("models", [b"<html>not vLLM</html>", b'{"data": []}', b"[1]"], ids=["html", "empty", "list"])
+def test_gsm8k_names_the_server_when_v1_models_lists_no_model(bad, models):
+    handler = type("Handler", (_Server,), {"models": models})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        proc = magpie("gsm8k", "--url", url, "--dataset", bad / "gsm8k.jsonl")
+        line = assert_one_line(proc, f"{url}/v1/models lists no model", codes=(2,))
+        assert "gsm8k.jsonl" not in line  # the dataset was fine: the server's reply was not
+    finally:
+        server.shutdown()
