@@ -117,6 +117,8 @@ def proof_patterns(lines, patches_dir: str | None = None) -> dict[str, list[re.P
     return patterns
 
 
+# vLLM's logger: "INFO 12-01 10:00:00 [core.py:12] ...", under a process prefix "(EngineCore_DP0 pid=7) "
+VLLM_LOG_LINE = re.compile(r"^(?:\([\w.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d")
 NO_EVIDENCE = "no evidence: not one line of a vLLM server or of serve.sh in the log"
 
 
@@ -153,8 +155,11 @@ class Matches:
         self.found: dict[str, list[tuple[int, re.Match]]] = {name: [] for name in (*matchers, *PROOF_LOGS)}
         self.count: dict[str, int] = dict.fromkeys(self.found, 0)
         self.lines_read = 0
+        self.vllm_format_lines = 0
         for number, line in enumerate(fresh(), 1):
             self.lines_read = number
+            if not self.vllm_format_lines and VLLM_LOG_LINE.match(line):
+                self.vllm_format_lines = 1
             for name, regexes in matchers.items():
                 match = next(filter(None, (regex.search(line) for regex in regexes)), None)
                 if match:
@@ -172,8 +177,9 @@ class Matches:
         return f"line {number}: {self.kept[number].strip()[:200]}" if number else None
 
     def any_vllm_line(self) -> bool:
-        """Whether any line of vLLM's or serve.sh's was found: without one, "off" is no evidence."""
-        return any(self.found[name] for name in self.found)
+        """Whether any line of vLLM's or serve.sh's was found (a known one, or any line in vLLM's
+        logger format): without one, "off" is no evidence."""
+        return self.vllm_format_lines > 0 or any(self.found[name] for name in self.found)
 
 
 def check(lines, patches_dir: str | None = None) -> dict:
