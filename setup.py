@@ -22,7 +22,7 @@ SHIPPED_SERIES = os.path.join("magpie", "patch_series")  # magpie/patches.py's S
 def console_scripts() -> list[str]:
     with open(os.path.join(ROOT, "magpie", "tools.json"), encoding="utf-8") as f:
         tools = json.load(f)["tools"]
-    return [f"magpie-{name} = {row['module']}:main" for name, row in tools.items()]
+    return [f"magpie-{name} = magpie.__main__:console_{name.replace('-', '_')}" for name in tools]
 
 
 class BuildWithSeries(build_py):

@@ -1,5 +1,10 @@
 """The package's entry point: `python3 magpie TOOL [ARGS...]` (by path, from any folder) or
-`python3 -m magpie TOOL [ARGS...]`; no TOOL lists them (exit 0), an unknown TOOL exits 2."""
+`python3 -m magpie TOOL [ARGS...]`; no TOOL lists them (exit 0), an unknown TOOL exits 2.
+
+Every tool runs under magpie.cli.run_tool: an ordinary error (a missing file, truncated JSON, ...)
+is one line naming the input, exit 1 (MAGPIE_TRACEBACK=1 shows the traceback); SIGTERM stops
+what the tool started. `magpie.__main__.console_<name>` (e.g. console_build_keepset) is the
+same for one tool, as a console script's entry point."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from magpie import TOOLS  # noqa: E402
-from magpie.cli import run_piped  # noqa: E402
+from magpie.cli import run_piped, run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     if name not in TOOLS:
         print(f"magpie: no tool {name!r}; the tools: {', '.join(TOOLS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(TOOLS[name])
     sys.argv = [f"magpie {name}", *rest]
-    return module.main(rest)
+    return run_tool(name, lambda args: importlib.import_module(TOOLS[name]).main(args), rest)
+
+
+def __getattr__(attribute: str):
+    """console_<tool> (dashes as underscores): a console script's entry point for that tool."""
+    tool = attribute.removeprefix("console_").replace("_", "-")
+    if not attribute.startswith("console_") or tool not in TOOLS:
+        raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")
+
+    def console() -> None:
+        sys.exit(run_tool(tool, lambda args: importlib.import_module(TOOLS[tool]).main(args), sys.argv[1:]))
+
+    return console
 
 
 if __name__ == "__main__":

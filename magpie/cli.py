@@ -12,6 +12,12 @@ way to run until stopped.
 - `--help` shows the module docstring's first paragraph, the options with every default that
   is set, then the rest of the docstring (examples, formats) as written.
 - Subcommands made with `parser.add_subparsers().add_parser(...)` get the same format.
+- `run_tool(name, main, argv)` runs a tool's main as every entry point does (`python3 magpie
+  TOOL`, the `magpie-TOOL` console scripts, `python3 -m magpie.x.y`): an ordinary error (a file
+  missing, unreadable or a folder, JSON that is truncated or of the wrong shape, a bad regular
+  expression, ...) ends it with one line naming the input last opened and what to do, exit 1;
+  MAGPIE_TRACEBACK=1 shows the traceback instead. SIGTERM ends it as Ctrl-C does (its `finally`
+  blocks run: a server it started is stopped), then it dies by SIGTERM.
 
 Standard library only.
 """
@@ -19,12 +25,17 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
+import json
+import os
 import re
 import signal
+import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from magpie import files
 from magpie.patches import run_piped  # the patch tool stands alone, so it holds the one copy
 
 __all__ = [
@@ -40,6 +51,7 @@ __all__ = [
     "parser",
     "require_modules",
     "run_piped",
+    "run_tool",
     "run_until_stopped",
     "split_doc",
 ]
@@ -176,3 +188,144 @@ def require_modules(tool: str, *modules: str) -> None:
             "set up by tests/env/setup.sh, or `nix develop`\n"
         )
         raise SystemExit(2)
+
+
+# --------------------------------------------------------------------------------------------
+# The runner of every tool: ordinary errors as one line, SIGTERM as Ctrl-C
+
+TRACEBACK_VARIABLE = "MAGPIE_TRACEBACK"
+"""Set to 1 to see the traceback of an error run_tool would otherwise print as one line."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where the tool was, so that its `finally` blocks (stopping a server it
+    started, removing a temporary file) run as on Ctrl-C."""
+
+
+class _Opened:
+    """The last file the tool opened that is not part of Python, the installed packages or magpie
+    itself, or the last URL it requested (an audit hook sees every open and urllib request): the
+    input an error most likely came from."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.writing = False
+        here = os.path.dirname(os.path.abspath(__file__))
+        skip = {here, sys.prefix, sys.base_prefix, sys.exec_prefix, "/proc", "/sys", "/dev"}
+        skip.update(p for p in sys.path if "-packages" in p)
+        self.skip = tuple(os.path.join(os.path.realpath(p), "") for p in skip if p) + tuple(
+            os.path.join(p, "") for p in skip if p
+        )
+
+    def hook(self, event: str, args: tuple) -> None:
+        if event == "urllib.Request" and args and isinstance(args[0], str):
+            self.path, self.writing = args[0], False  # a reply read from a server is an input too
+            return
+        if event != "open" or not args:
+            return
+        path = args[0]
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if not isinstance(path, str) or path.endswith((".py", ".pyc", ".so", ".pth")):
+            return
+        if os.path.abspath(path).startswith(self.skip):
+            return
+        mode = args[1] if len(args) > 1 else None
+        flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+        self.path = path
+        self.writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool(
+            flags & (os.O_WRONLY | os.O_RDWR)
+        )
+
+
+_opened: _Opened | None = None
+
+
+def _track_opens() -> _Opened:
+    """The one tracker of the process (an audit hook cannot be removed: installed once)."""
+    global _opened
+    if _opened is None:
+        _opened = _Opened()
+        sys.addaudithook(_opened.hook)
+    return _opened
+
+
+_ERRNO_FIX = {
+    errno.ENOENT: "no such file or folder; check the path",
+    errno.EISDIR: "is a folder; give a file",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; check the path",
+    errno.EACCES: "permission denied; check its permissions (or run as its owner)",
+    errno.EPERM: "operation not permitted; check its permissions",
+    errno.ENOSPC: "no space left on the device; free space or write elsewhere",
+    errno.EROFS: "the file system is read-only; write elsewhere",
+    errno.ENAMETOOLONG: "the name is too long; give a shorter path",
+    errno.ELOOP: "too many symbolic links; give the file itself",
+    errno.EEXIST: "exists, and is in the way (a file where a folder is needed?); choose another path",
+}
+
+
+def describe_error(error: BaseException, opened: str | None = None) -> str:
+    """One line for an error of a tool: what went wrong with which input, and what to do."""
+    if isinstance(error, OSError) and (error.filename is not None or error.errno in _ERRNO_FIX):
+        name = error.filename if error.filename is not None else opened
+        what = _ERRNO_FIX.get(error.errno, error.strerror or str(error))
+        return f"{os.fsdecode(name)}: {what}" if name is not None else what
+    where = f"{opened}: " if opened else ""
+    if isinstance(error, json.JSONDecodeError):
+        return (
+            f"{where}not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); "
+            "give a complete JSON file (a truncated copy, or another format?)"
+        )
+    if isinstance(error, UnicodeDecodeError):
+        return f"{where}not UTF-8 text (byte {error.start}); give the text file the tool reads"
+    if isinstance(error, re.error):
+        return f"bad regular expression {error.pattern!r}: {error.msg}; fix the pattern (Python `re` syntax)"
+    if isinstance(error, MemoryError):
+        return f"{where}out of memory reading it (a corrupt header claiming a huge size?); check the file"
+    if isinstance(error, struct.error):
+        return f"{where}truncated, or not the binary format expected ({error}); check the file"
+    if isinstance(error, files.InputError) or str(error).startswith("draft_vocab_path "):
+        return str(error)  # names the input and the fix itself
+    detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)[:300]
+    while_reading = f" (the input last opened: {opened})" if opened else ""
+    return (
+        f"{type(error).__name__}: {detail}{while_reading}; check that input, or set {TRACEBACK_VARIABLE}=1 "
+        "for the traceback"
+    )
+
+
+def run_tool(name: str, main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+    """main(argv)'s exit status, as every entry point runs a tool named `name` (e.g.
+    "build-keepset"): an ordinary error is one line on stderr, "magpie NAME: INPUT: what; fix",
+    and exit 1 (set MAGPIE_TRACEBACK=1 for the traceback); Ctrl-C exits 130 with one line;
+    SIGTERM (unless the tool handles it itself) runs the tool's `finally` blocks, then ends the
+    process by SIGTERM; a reader that closed stdout ends it with 141 (run_piped)."""
+    opened = _track_opens()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        raise Stopped
+
+    if previous == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, stop)
+    try:
+        status = run_piped(lambda: main(argv))
+        return 0 if status is None else status
+    except Stopped:
+        sys.stderr.write(f"magpie {name}: stopped by SIGTERM\n")
+        sys.stderr.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 128 + signal.SIGTERM  # not reached: the signal ends the process
+    except KeyboardInterrupt:
+        sys.stderr.write(f"magpie {name}: interrupted\n")
+        return 130
+    except Exception as error:
+        if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+            raise
+        sys.stderr.write(f"magpie {name}: {describe_error(error, opened.path)}\n")
+        return 1
+    finally:
+        if previous == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) in (stop, signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, previous)

@@ -6,6 +6,9 @@
   file behind.
 - An existing output is refused unless the user passed `--force` (`check_output`), before any
   work is done, with a message that names the file and the flag.
+- Inputs are checked before the work (`check_input`, `check_distinct`), and JSON is read by
+  `read_json`, which names the file and what it should have held: an `InputError`, which
+  magpie.cli.run_tool prints as one line (exit 1).
 - The names of a run folder's files (`RUN_FILES`: what `magpie/measure/run_suite.sh` writes into
   its OUTDIR; `PROFILE_*`; `SWEEP_*`: sweep.py's run folder), spelled once for the Python tools
   that read or write them (tests/test_cli_files.py holds run_suite.sh's spelling equal to these).
@@ -41,6 +44,7 @@ __all__ = [
     "SWEEP_POINTS_CSV",
     "SWEEP_RESULTS",
     "SWEEP_RESULTS_CSV",
+    "InputError",
     "OutputExists",
     "atomic_open",
     "atomic_path",
@@ -48,7 +52,11 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "bench_file",
+    "check_distinct",
+    "check_input",
     "check_output",
+    "check_output_place",
+    "read_json",
     "schema",
     "schema_of",
 ]
@@ -134,10 +142,115 @@ def check_output(path: str | os.PathLike | None, force: bool, flag: str = "--for
     """Refuse an existing output unless `force`: call before any work. `path` None (no output
     asked for) or '-' (stdout) passes. `flag` is the option that allows replacing; `what` names
     the option that gave the path, for the message."""
-    if path is None or os.fspath(path) in ("", "-") or force:
+    if path is None or os.fspath(path) in ("", "-"):
+        return
+    check_output_place(path, what)
+    if force:
         return
     if os.path.lexists(path):
         raise OutputExists(path, flag, what)
+
+
+def check_output_place(path: str | os.PathLike, what: str = "--output") -> None:
+    """Refuse (InputError) an output that cannot be written where it is asked for, before any
+    work: a folder in its place, a file where one of its folders should be, a folder that is not
+    writable."""
+    name = os.path.abspath(os.fspath(path))
+    if os.path.isdir(name):
+        raise InputError(f"{what} {os.fspath(path)}: is a folder; give a file name")
+    parent = os.path.dirname(name)
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise InputError(f"{what} {os.fspath(path)}: {parent} is a file, not a folder; choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {os.fspath(path)}: the folder {parent} is not writable; choose another path")
+
+
+def check_distinct(outputs: list[tuple[str, str | os.PathLike | None]], inputs=()) -> None:
+    """Refuse (InputError, before any work) two outputs that are one file, and an output that is
+    one of the inputs: `outputs` and `inputs` are (option, path) pairs ("--summary", "s.json");
+    None and '-' (stdout) are skipped. One file: the same path once made absolute and symbolic
+    links resolved, or the same inode for files that exist (a hard link)."""
+
+    def key(path):
+        return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+    def same(a, b) -> bool:
+        if key(a) == key(b):
+            return True
+        try:
+            return os.path.samefile(a, b)
+        except OSError:
+            return False
+
+    seen: list[tuple[str, str | os.PathLike]] = []
+    for option, path in outputs:
+        if path is None or os.fspath(path) in ("", "-"):
+            continue
+        for other_option, other in seen:
+            if same(path, other):
+                raise InputError(
+                    f"{other_option} and {option} are both {os.fspath(path)}: one would overwrite the other; "
+                    "give them different files"
+                )
+        for in_option, in_path in inputs:
+            if in_path is not None and os.fspath(in_path) not in ("", "-") and same(path, in_path):
+                raise InputError(
+                    f"{option} {os.fspath(path)} is also the input {in_option}: writing it would destroy the "
+                    "input; give another output file"
+                )
+        seen.append((option, path))
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+class InputError(ValueError):
+    """An input the tool cannot use; the message names it and the fix (magpie.cli.run_tool
+    prints it as one line, exit 1)."""
+
+
+def check_input(path: str | os.PathLike | None, what: str = "input", kind: str = "file") -> None:
+    """Refuse (InputError) an input that is missing, unreadable or not of `kind` ("file": a
+    regular file, or a FIFO / character device such as /dev/stdin; "dir": a folder), before any
+    work. `what` names it for the message: the option (--keepset) or the argument's role."""
+    if path is None:
+        return
+    name = os.fspath(path)
+    if not os.path.exists(name):
+        raise InputError(f"{what} {name}: no such {'folder' if kind == 'dir' else 'file'}; check the path")
+    if kind == "dir" and not os.path.isdir(name):
+        raise InputError(f"{what} {name}: not a folder; give the folder")
+    if kind == "file" and os.path.isdir(name):
+        raise InputError(f"{what} {name}: is a folder; give a file")
+    if not os.access(name, os.R_OK | (os.X_OK if kind == "dir" else 0)):
+        raise InputError(f"{what} {name}: permission denied; check its permissions")
+
+
+def read_json(path: str | os.PathLike, expect: type | tuple[type, ...] = dict, what: str = "a JSON file") -> Any:
+    """The JSON value in `path`, refused (InputError naming the file) when it is missing, a
+    folder, unreadable, not UTF-8, not JSON (truncated?) or not of type `expect` (dict: an
+    object, list: an array). `what` says what the file should be, e.g. "a bench-decode result"."""
+    name = os.fspath(path)
+    check_input(name, what)
+    try:
+        with open(name, encoding="utf-8") as f:
+            value = json.load(f)
+    except UnicodeDecodeError:
+        raise InputError(f"{name}: not UTF-8 text; give {what}") from None
+    except json.JSONDecodeError as e:
+        raise InputError(
+            f"{name}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}; truncated?); give {what}"
+        ) from None
+    if not isinstance(value, expect):
+        kinds = expect if isinstance(expect, tuple) else (expect,)
+        names = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}
+        wanted = " or ".join(names.get(k, k.__name__) for k in kinds)
+        found = names.get(type(value), "null" if value is None else type(value).__name__)
+        raise InputError(f"{name}: holds JSON {found}, not {wanted}; give {what}")
+    return value
 
 
 # --------------------------------------------------------------------------------------------

@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.max_tokens < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--concurrency, --max-tokens and --limit must be >= 1")
+    if not args.url.startswith(("http://", "https://")):
+        parser.error(f"--url {args.url}: give a URL with its scheme, e.g. http://{args.url}")
+    files.check_input(args.dataset, "--dataset")
+    files.check_distinct([("--output", args.output)], [("--dataset", args.dataset)])
     files.check_output(args.output, args.force)
     problems, digest = load_dataset(args.dataset)
     if args.expect_records is not None and len(problems) != args.expect_records:
@@ -158,7 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     if not client.server_alive(base):
         print(f"error: no healthy vLLM server at {base} (GET /health failed)", file=sys.stderr)
         return 2
-    model = args.model or client.served_model(base)
+    try:
+        model = args.model or client.served_model(base)
+    except (ValueError, LookupError, TypeError) as e:  # not JSON, no "data", an empty list, ...
+        print(
+            f"error: {base}/v1/models lists no model ({type(e).__name__}: {e}); is --url a vLLM server? "
+            "Or name the model with --model",
+            file=sys.stderr,
+        )
+        return 2
 
     def body(index: int) -> dict:
         return request_body(model, problems[index]["question"], args)
@@ -250,4 +262,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_tool("gsm8k", main, sys.argv[1:]))

@@ -82,7 +82,7 @@ PROOF_LOGS = ("pruned_built", "pruned_in_use", "ple_hook", "ple_active", "ple_st
 _VERSION = re.compile(r"Initializing a V1 LLM engine \(v?(?P<version>[^)]*)\)")
 
 
-def proof_patterns(lines: list[str], patches_dir: str | None = None) -> dict[str, list[re.Pattern]]:
+def proof_patterns(lines, patches_dir: str | None = None) -> dict[str, list[re.Pattern]]:
     """{name: [regex, ...]} from the `Proof-Log:` header lines of the series for the vLLM release
     the log names (all series when it names none, or one with no series). A name several patches
     declare (ple_active: 0001's and 0002's line) has one regex per distinct pattern."""
@@ -117,23 +117,56 @@ def proof_patterns(lines: list[str], patches_dir: str | None = None) -> dict[str
     return patterns
 
 
+# vLLM's logger: "INFO 12-01 10:00:00 [core.py:12] ...", under a process prefix "(EngineCore_DP0 pid=7) "
+VLLM_LOG_LINE = re.compile(r"^(?:\([\w.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d")
+NO_EVIDENCE = "no evidence: not one line of a vLLM server or of serve.sh in the log"
+
+
 def _num(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-class Matches:
-    """Where each pattern (PATTERNS and the patches' Proof-Log lines) matched in a log's lines."""
+# A line longer than this is read in pieces (a log of one endless line is still read in bounded
+# memory); each pattern keeps at most MAX_KEPT matches (their lines), and counts the rest.
+MAX_LINE_CHARS = 1 << 20
+MAX_KEPT = 64
 
-    def __init__(self, lines: list[str], patches_dir: str | None = None) -> None:
+
+def read_lines(path: str):
+    """The lines of the log at PATH, streamed (no line longer than MAX_LINE_CHARS), as text
+    with undecodable bytes replaced."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while line := f.readline(MAX_LINE_CHARS):
+            yield line.rstrip("\n")
+
+
+class Matches:
+    """Where each pattern (PATTERNS and the patches' Proof-Log lines) matched in a log's lines:
+    `lines` is a list, or a callable giving a fresh iterator of them (read twice, streaming:
+    once for the release the log names, once for the patterns). Only matched lines are kept."""
+
+    def __init__(self, lines, patches_dir: str | None = None) -> None:
+        def fresh():
+            return lines() if callable(lines) else iter(lines)
+
         matchers = {name: [regex] for name, regex in PATTERNS.items()}
-        matchers.update(proof_patterns(lines, patches_dir))
-        self.lines = lines
+        matchers.update(proof_patterns(fresh(), patches_dir))
+        self.kept: dict[int, str] = {}
         self.found: dict[str, list[tuple[int, re.Match]]] = {name: [] for name in (*matchers, *PROOF_LOGS)}
-        for number, line in enumerate(lines, 1):
+        self.count: dict[str, int] = dict.fromkeys(self.found, 0)
+        self.lines_read = 0
+        self.vllm_format_lines = 0
+        for number, line in enumerate(fresh(), 1):
+            self.lines_read = number
+            if not self.vllm_format_lines and VLLM_LOG_LINE.match(line):
+                self.vllm_format_lines = 1
             for name, regexes in matchers.items():
                 match = next(filter(None, (regex.search(line) for regex in regexes)), None)
                 if match:
-                    self.found[name].append((number, match))
+                    self.count[name] += 1
+                    if len(self.found[name]) < MAX_KEPT:
+                        self.found[name].append((number, match))
+                        self.kept[number] = line
 
     def first(self, name: str) -> tuple[int | None, re.Match | None]:
         """(line number, match) of the pattern's first line; (None, None) when no line matched."""
@@ -141,10 +174,16 @@ class Matches:
 
     def evidence(self, number: int | None) -> str | None:
         """The line that proves a state, as the output quotes it."""
-        return f"line {number}: {self.lines[number - 1].strip()[:200]}" if number else None
+        return f"line {number}: {self.kept[number].strip()[:200]}" if number else None
+
+    def any_vllm_line(self) -> bool:
+        """Whether any line of vLLM's or serve.sh's was found (a known one, or any line in vLLM's
+        logger format): without one, "off" is no evidence."""
+        return self.vllm_format_lines > 0 or any(self.found[name] for name in self.found)
 
 
-def check(lines: list[str], patches_dir: str | None = None) -> dict:
+def check(lines, patches_dir: str | None = None) -> dict:
+    """The features a log shows; `lines`: a list, or a callable giving a fresh iterator of them."""
     log = Matches(lines, patches_dir)
     _, engine = log.first("engine_config")
     features = {"mtp": mtp_feature(log)}
@@ -152,6 +191,12 @@ def check(lines: list[str], patches_dir: str | None = None) -> dict:
     features["ple_mmap"] = ple_mmap_feature(log)
     features.update(engine_config_features(log))
     features.update(supervision_features(log))
+    if not log.any_vllm_line():
+        # Not a vLLM server's log (or an empty one): no line says anything is off.
+        for info in features.values():
+            if info["state"] in ("off", "not complete"):
+                info["state"] = "unknown"
+                info["evidence"] = NO_EVIDENCE
     return {
         "schema": SCHEMA,
         "vllm_version": engine.group("version") if engine else None,
@@ -223,7 +268,7 @@ def ple_mmap_feature(log: Matches) -> dict:
             rows = "gathered inside the forward by a custom op (ple_ssd 0001 only; PIECEWISE graphs)"
         return {
             "state": "on",
-            "tables": len(log.found["ple_active"]),
+            "tables": log.count["ple_active"],
             "rows": rows,
             "evidence": [log.evidence(n) for n in (asked_number, hook_number, active_number, staging_number) if n],
         }
@@ -273,7 +318,7 @@ def supervision_features(log: Matches) -> dict[str, dict]:
         },
         "watchdog": {
             "state": "found a stalled engine" if stall_number else ("on" if watch_number else "off"),
-            "restarts": len(log.found["serve_restart"]),
+            "restarts": log.count["serve_restart"],
             "evidence": log.evidence(stall_number or watch_number),
         },
         "startup": {
@@ -336,10 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_force(parser, "the --output file")
     args = parser.parse_args(argv)
     files.check_output(args.output, args.force)
-    with open(args.log, encoding="utf-8", errors="replace") as f:
-        lines = f.read().splitlines()
+    files.check_input(args.log, "the log")
     try:
-        result = check(lines)
+        result = check(lambda: read_lines(args.log))
     except patches.ToolError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -361,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         if not wanted:
             parser.error(f"--expect {item!r}: use FEATURE=STATE, e.g. mtp=3, draft_head=pruned, ple_mmap=on")
         if not matches_expectation(result["features"], feature, wanted):
-            state = result["features"].get(feature, {}).get("state", "no such feature")
+            info = result["features"].get(feature, {})
+            state = info.get("state", "no such feature")
+            if info.get("evidence") == NO_EVIDENCE:
+                state = f"{state} ({NO_EVIDENCE})"
             failures.append(f"{feature}: expected {wanted}, the log shows {state}")
     result["expectations_failed"] = failures
     if args.output:
@@ -387,4 +434,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_tool("log-check", main, sys.argv[1:]))

@@ -290,6 +290,8 @@ def collect(path: str) -> Collected:
             continue
         event = item[1]
         data.events += 1
+        if not isinstance(event, dict):
+            raise ValueError(f"trace event {data.events} is {type(event).__name__}, not an object")
         phase = event.get("ph")
         if phase == "M" and event.get("name") == "process_name":
             data.process_names[event.get("pid")] = (event.get("args") or {}).get("name")
@@ -678,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     files.check_output(args.output, args.force)
     trace_paths = trace_files(args.paths)
     if not trace_paths:
-        print("error: no .json or .json.gz trace found", file=sys.stderr)
+        print(f"error: no .json or .json.gz trace found in {', '.join(args.paths)}", file=sys.stderr)
         return 2
     results = []
     for path in trace_paths:
@@ -704,4 +706,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_tool("trace-split", main, sys.argv[1:]))

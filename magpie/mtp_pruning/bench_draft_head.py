@@ -672,4 +672,4 @@ def print_tables(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_tool("bench-draft-head", main, sys.argv[1:]))

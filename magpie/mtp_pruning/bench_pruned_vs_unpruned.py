@@ -25,6 +25,7 @@ window, which a burst collapses.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,44 @@ def measure(args, name: str, spec: dict, prompts: list[str]) -> dict:
     }
 
 
+def read_prompts(path: str | None, count: int) -> list[str]:
+    """`count` prompts (cycled) from the JSONL at `path` (strings or {"prompt": ...}), or the
+    built-in ones; files.InputError names the line that is neither."""
+    source = PROMPTS
+    if path:
+        source = []
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise files.InputError(f"--prompts {path} line {number}: not JSON ({e.msg})") from None
+                if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+                    item = item["prompt"]
+                if not isinstance(item, str):
+                    raise files.InputError(
+                        f'--prompts {path} line {number}: neither a string nor {{"prompt": "..."}}; one prompt a line'
+                    )
+                source.append(item)
+        if not source:
+            raise files.InputError(f'--prompts {path}: no prompts; one JSON string or {{"prompt": ...}} a line')
+    return [source[i % len(source)] for i in range(count)]
+
+
+def check_keep_set(path: str, model: str) -> None:
+    """Refuse (files.InputError) a keep-set the pruned server would refuse, by the patch's own
+    rules and the model's vocabulary, before any server starts."""
+    from magpie.mtp_pruning.count_tokens import read_vocab_size
+    from magpie.serving import preflight
+
+    try:
+        preflight.read_keep_ids(path, read_vocab_size(Path(model)))
+    except preflight.Refused as e:
+        raise files.InputError(f"--keepset: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("magpie bench-pruned", __doc__)
     parser.add_argument("--model", required=True, help="model folder (target with MTP weights)")
@@ -129,13 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="JSON results file")
     cli.add_force(parser, "the --output file")
     args = parser.parse_args(argv)
+    # Every input checked, and every output allowed, before the first server starts.
+    if args.num_prompts < 1 or args.max_tokens < 1 or args.num_speculative_tokens < 1:
+        parser.error("--num-prompts, --max-tokens and --num-speculative-tokens must be at least 1")
+    files.check_input(args.model, "--model", kind="dir")
+    files.check_input(args.keepset, "--keepset")
+    files.check_input(args.prompts, "--prompts")
+    if not (os.path.isfile(args.python) and os.access(args.python, os.X_OK)):
+        raise files.InputError(f"--python {args.python}: not an executable file; give the patched environment's Python")
+    files.check_distinct([("--output", args.output)], [("--keepset", args.keepset), ("--prompts", args.prompts)])
     files.check_output(args.output, args.force)
-
-    source = PROMPTS
-    if args.prompts:
-        lines = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-        source = [item if isinstance(item, str) else item["prompt"] for item in lines]
-    prompts = [source[i % len(source)] for i in range(args.num_prompts)]
+    check_keep_set(args.keepset, args.model)
+    prompts = read_prompts(args.prompts, args.num_prompts)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     keep_set = str(Path(args.keepset).resolve())
     spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
@@ -178,4 +222,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_tool("bench-pruned", main, sys.argv[1:]))

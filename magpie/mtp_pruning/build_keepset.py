@@ -32,17 +32,36 @@ SCHEMA = files.schema("build-keepset", 1)
 DRIFT_WARNING = 0.02
 
 
-def parse_id_ranges(spec: str) -> list[int]:
-    """'1,5-7' -> [1, 5, 6, 7] (ranges inclusive)."""
-    ids: list[int] = []
+def parse_id_ranges(spec: str) -> list[tuple[int, int]]:
+    """'1,5-7' -> [(1, 1), (5, 7)] (inclusive ranges, not yet materialised: check_id_ranges
+    bounds them by the vocabulary first, so '0-30000000' costs nothing before it is refused)."""
+    ranges: list[tuple[int, int]] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         first, _, last = part.partition("-")
         if not first.isdigit() or (last and not last.isdigit()):
             raise ValueError(f"--extra-ids: {part!r} is not an id or a range of ids like 5-7")
         if last and int(last) < int(first):
             raise ValueError(f"--extra-ids: range {part!r} runs backwards")
-        ids.extend(range(int(first), int(last or first) + 1))
-    return ids
+        ranges.append((int(first), int(last or first)))
+    return ranges
+
+
+def id_ranges_to_ids(ranges: list[tuple[int, int]], vocab_size: int):
+    """The ids of `ranges` as a sorted unique int64 array, after checking every range lies in
+    [0, vocab_size) (ValueError naming the range otherwise): nothing larger than the vocabulary
+    is ever built."""
+    import numpy as np
+
+    for first, last in ranges:
+        if last >= vocab_size:
+            shown = f"{first}-{last}" if last != first else str(first)
+            raise ValueError(
+                f"--extra-ids: {shown} reaches id {last}, outside the vocabulary [0, {vocab_size}); "
+                f"ids run from 0 to {vocab_size - 1}"
+            )
+    if not ranges:
+        return np.empty(0, dtype=np.int64)
+    return np.unique(np.concatenate([np.arange(first, last + 1, dtype=np.int64) for first, last in ranges]))
 
 
 def top_k_for_coverage(counts, coverage: float) -> tuple[object, float]:
@@ -73,16 +92,17 @@ def special_ids(tokenizer_name: str) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def load_keep_set(path: str):
+def load_keep_set(path: str, vocab_size: int | None = None):
     """A keep-set to --union, read and checked by the mtp_pruning patch's own rules, those vLLM
     applies to draft_vocab_path (magpie.serving.preflight.read_keep_ids: .pt with weights_only,
     .npy and .safetensors without unpickling; integer, 1-D, non-empty, sorted, unique,
-    non-negative): a file vLLM would refuse is refused here, for the same reason. The upper bound
-    is the counts' vocabulary, checked by build_keep_set."""
+    non-negative; inside [0, vocab_size) when it is given, and what the file may hold or inflate
+    to bounded by it before it is read): a file vLLM would refuse is refused here, for the same
+    reason."""
     from magpie.serving import preflight
 
     try:
-        return preflight.read_keep_ids(path).numpy()
+        return preflight.read_keep_ids(path, vocab_size).numpy()
     except preflight.Refused as e:
         raise ValueError(f"--union: {e}") from None
 
@@ -164,17 +184,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_arguments(args, outputs: list[tuple[str, str | Path | None]]) -> int | None:
-    """Before any work: 2 (the error printed) for a bad --coverage or a keep-set --output that is
-    not .npy or .pt; an existing file of `outputs` ((option, path) pairs) refused without --force
-    (files.check_output); None when the run may begin."""
+    """Before any work: 2 (the error printed) for a bad --coverage, --extra-ids or a keep-set
+    --output that is not .npy or .pt; outputs that are one file, or one of the inputs, and
+    inputs that are missing or folders refused (files.InputError); an existing file of `outputs`
+    ((option, path) pairs) refused without --force (files.check_output); None when the run may
+    begin."""
     problem = None
-    if not 0 < args.coverage <= 1:
+    try:
+        args.extra_ranges = parse_id_ranges(getattr(args, "extra_ids", ""))
+    except ValueError as e:
+        args.extra_ranges, problem = [], str(e)
+    if problem is None and not 0 < args.coverage <= 1:
         problem = f"--coverage must be in (0, 1], not {args.coverage}"
-    elif not args.output.endswith((".npy", ".pt")):
+    elif problem is None and not args.output.endswith((".npy", ".pt")):
         problem = f"--output {args.output}: use .npy or .pt"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    inputs = [("counts", c) for c in getattr(args, "counts", [])] + [("--holdout", getattr(args, "holdout", None))]
+    inputs += [("--union", u) for u in getattr(args, "union", [])]
+    files.check_distinct(outputs, inputs)
+    for option, path in inputs:
+        files.check_input(path, option)
     for option, path in outputs:
         files.check_output(path, args.force, what=option)
     return None
@@ -188,9 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = read_vocab_size(Path(args.model)) if args.model else None
     counts = None
     for path in args.counts:
-        part = load_counts(Path(path), vocab_size)
+        part = load_counts(Path(path), vocab_size, "counts")
         if counts is not None and part.shape != counts.shape:
-            print(f"error: {path} has {part.shape[0]} slots, {args.counts[0]} {counts.shape[0]}", file=sys.stderr)
+            print(
+                f"error: counts {path} has {part.shape[0]} slots, {args.counts[0]} {counts.shape[0]}: count every "
+                "file with the same model's tokenizer",
+                file=sys.stderr,
+            )
             return 2
         counts = part if counts is None else counts + part
     tokenizer = args.tokenizer or args.model
@@ -203,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             counts,
             args.coverage,
             specials=specials,
-            extra_ids=parse_id_ranges(args.extra_ids),
-            unions=[load_keep_set(u) for u in args.union],
+            extra_ids=id_ranges_to_ids(args.extra_ranges, counts.shape[0]),
+            unions=[load_keep_set(u, counts.shape[0]) for u in args.union],
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -212,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["holdout"] = None
     warning = None
     if args.holdout:
-        holdout = load_counts(Path(args.holdout), counts.shape[0])
+        holdout = load_counts(Path(args.holdout), counts.shape[0], "--holdout")
         held = coverage_of(keep, holdout)
         figures["holdout"] = {"path": args.holdout, "tokens": int(holdout.sum()), "coverage": held}
         if held < figures["coverage"] - DRIFT_WARNING:
@@ -250,4 +285,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_tool("build-keepset", main, sys.argv[1:]))

@@ -117,7 +117,7 @@ def items_from_result_file(document: dict) -> Iterator[Generated]:
 
 def items_from_file(path: Path) -> Iterator[Generated]:
     if path.suffix == ".json":
-        document = json.loads(path.read_text(encoding="utf-8"))
+        document = files.read_json(path, (dict, list), "a bench or gsm8k result, or a JSON list of texts")
         if isinstance(document, dict) and isinstance(document.get("records"), list):
             yield from items_from_result_file(document)
         else:
@@ -159,11 +159,12 @@ def input_files(inputs: Iterable[str]) -> list[Path]:
 
 def read_vocab_size(model_dir: Path) -> int:
     """Rows of the model's lm_head: vocab_size of config.json (text_config's for multimodal configs)."""
-    config = json.loads((model_dir / "config.json").read_text())
+    files.check_input(model_dir, "--model", kind="dir")
+    config = files.read_json(model_dir / "config.json", dict, "the model's config.json (a Hugging Face model folder)")
     for section in (config.get("text_config"), config.get("language_config"), config):
         if isinstance(section, dict) and isinstance(section.get("vocab_size"), int):
             return section["vocab_size"]
-    raise ValueError(f"{model_dir / 'config.json'} has no vocab_size")
+    raise files.InputError(f"{model_dir / 'config.json'} has no vocab_size; give the model's folder, or --vocab-size")
 
 
 def load_tokenizer(name: str):
@@ -298,14 +299,35 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def load_counts(path: Path, vocab_size: int | None = None):
+def load_counts(path: Path, vocab_size: int | None = None, what: str = "counts"):
+    """A counts array of count-tokens (1-D, integer, one slot per vocabulary id), refused with
+    files.InputError naming the file when it is missing, not a .npy, of another shape or size."""
     import numpy as np
 
-    counts = np.load(path, allow_pickle=False)
-    if counts.ndim != 1 or counts.dtype.kind not in "iu":
-        raise ValueError(f"{path}: not a 1-D integer counts array (shape {counts.shape}, dtype {counts.dtype})")
+    files.check_input(path, what)
+    try:
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise ValueError("no NumPy .npy header")
+            f.seek(0)
+            counts = np.load(f, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        raise files.InputError(
+            f"{what} {path}: not a counts .npy ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "give a file count-tokens wrote"
+        ) from None
+    if not isinstance(counts, np.ndarray) or counts.ndim != 1 or counts.dtype.kind not in "iu":
+        raise files.InputError(
+            f"{what} {path}: not a 1-D integer counts array (shape {getattr(counts, 'shape', None)}, "
+            f"dtype {getattr(counts, 'dtype', None)}); give a file count-tokens wrote"
+        )
     if vocab_size is not None and counts.shape[0] != vocab_size:
-        raise ValueError(f"{path}: has {counts.shape[0]} slots, the model's vocab_size is {vocab_size}")
+        raise files.InputError(
+            f"{what} {path}: has {counts.shape[0]} slots, the vocabulary has {vocab_size}; count with the same "
+            "model's tokenizer (count-tokens --model)"
+        )
     return counts.astype(np.int64)
 
 
@@ -337,12 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.add_to and _same_file(args.add_to, args.output)):
         files.check_output(args.output, args.force)
     files.check_output(args.summary, args.force, what="--summary")
+    files.check_distinct([("--output", args.output), ("--summary", args.summary)], [("input", i) for i in args.inputs])
+    files.check_distinct([("--summary", args.summary)], [("--add-to", args.add_to)])
     vocab_size = args.vocab_size if args.vocab_size is not None else read_vocab_size(Path(args.model))
     try:
         inputs = input_files(args.inputs)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # The counts to add to, checked before the corpus is counted.
+    earlier = load_counts(Path(args.add_to), vocab_size, "--add-to") if args.add_to else None
     counts, summary = count(inputs, load_tokenizer(tokenizer_name), vocab_size, args.batch_size, args.quiet)
     if summary["tokens"] == 0:
         print(
@@ -352,8 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     summary["added_to"] = None
-    if args.add_to:
-        earlier = load_counts(Path(args.add_to), vocab_size)
+    if earlier is not None:
         summary["added_to"] = {"path": args.add_to, "tokens": int(earlier.sum())}
         counts = counts + earlier
         summary["total_tokens"] = int(counts.sum())
@@ -378,4 +403,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_tool("count-tokens", main, sys.argv[1:]))

@@ -13,7 +13,8 @@ Activation: ``--speculative-config '{"method": "mtp", ...,
 "draft_vocab_path": "/abs/keep.pt"}'``. A keep-set is a sorted 1-D tensor of
 unique integer target ids, stored as ``.pt`` (``torch.save``; read with
 ``weights_only=True``), ``.npy`` or ``.safetensors`` (both parsed here without
-unpickling anything).
+unpickling anything), or ``.json`` (a list of integer ids, as keep-sets are
+passed around; sorted on reading).
 
 Draft row ``i`` is target id ``keep_ids[i]``; ``draft_id_to_target_id[i] =
 keep_ids[i] - i`` is the offset convention of vLLM's ``LocalArgmaxMixin``
@@ -45,7 +46,7 @@ PRUNABLE_MTP_ARCHITECTURES = ("Qwen3_5MTP", "Qwen3_5MoeMTP", "Qwen4ExpMTP")
 # (Qwen4ExpMTP: qwen4_exp/nvidia/mtp.py on CUDA and CPU, qwen4_exp/amd/mtp.py on
 # ROCm), so the configuration checks the class it will build, not the name.
 HOOK_ATTRIBUTE = "supports_draft_vocab_pruning"
-KEEPSET_SUFFIXES = (".pt", ".npy", ".safetensors")
+KEEPSET_SUFFIXES = (".pt", ".npy", ".safetensors", ".json")
 _INTEGER_DTYPES = (
     torch.int8,
     torch.int16,
@@ -105,6 +106,10 @@ MAX_HEADER_BYTES = 1 << 16
 MAX_IDS = 1 << 24
 # A .pt keep-set is a zip of the ids and a short pickle: its ids plus this much.
 _PT_OVERHEAD_BYTES = 1 << 20
+# torch.save writes about six zip entries (the pickle, the storages, versions).
+_PT_MAX_ENTRIES = 256
+# A .json keep-set: at most this many bytes per id ("248319, ") plus a margin.
+_JSON_BYTES_PER_ID = 24
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -305,13 +310,43 @@ def _read_safetensors(path: str, max_ids: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(body), dtype=dtype).reshape(shape)
 
 
+def _check_pt_zip(path: str, limit: int, max_ids: int) -> None:
+    """Refuse a .pt whose zip entries would inflate past LIMIT bytes, unread.
+
+    A DEFLATE entry of half a megabyte can inflate to hundreds of megabytes
+    inside torch.load; the sizes every entry inflates to are in the zip's
+    central directory, read here before any entry is.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except zipfile.BadZipFile:
+        raise _error(
+            path,
+            "is not a zip-format torch.save file (the format of torch.save since "
+            "PyTorch 1.6); save the keep-set with torch.save(torch.tensor(ids, "
+            "dtype=torch.int64), path), or as .npy",
+        ) from None
+    inflated = sum(entry.file_size for entry in entries)
+    if len(entries) > _PT_MAX_ENTRIES or inflated > limit:
+        raise _error(
+            path,
+            f"has {len(entries)} zip entries that inflate to {inflated} bytes, more "
+            f"than a .pt keep-set of at most {max_ids} ids takes ({limit} "
+            "bytes); it was not loaded",
+        )
+
+
 def _read_pt(path: str, max_ids: int) -> torch.Tensor:
     """Read a torch.save'd tensor with PyTorch's restricted unpickler.
 
     ``weights_only=True`` is explicit, so no environment variable can turn it
     off: a file whose pickle names any callable but tensor rebuilding is refused
     before anything in it runs. A file larger than max_ids int64 ids and a zip's
-    overhead is refused unread.
+    overhead, or whose entries would inflate to more (the zip's central
+    directory says), is refused unread.
     """
     file_size = os.path.getsize(path)
     limit = max_ids * 8 + _PT_OVERHEAD_BYTES
@@ -321,6 +356,7 @@ def _read_pt(path: str, max_ids: int) -> torch.Tensor:
             f"is {file_size} bytes, more than a .pt keep-set of at most {max_ids} "
             f"ids takes ({limit}); it was not read",
         )
+    _check_pt_zip(path, limit, max_ids)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -346,6 +382,51 @@ def _read_pt(path: str, max_ids: int) -> torch.Tensor:
     # A view (expand: stride 0) can claim far more ids than its storage holds.
     _count_ids(path, tuple(obj.shape), max_ids)
     return obj
+
+
+def _read_json(path: str, max_ids: int) -> torch.Tensor:
+    """A JSON list of integer ids (as keep-sets are passed around), sorted.
+
+    No pickle: json parses it. A file larger than max_ids ids could take is
+    refused unread; anything but a list of integers is refused naming the
+    first entry that is not one.
+    """
+    file_size = os.path.getsize(path)
+    limit = max_ids * _JSON_BYTES_PER_ID + _PT_OVERHEAD_BYTES
+    if file_size > limit:
+        raise _error(
+            path,
+            f"is {file_size} bytes, more than a JSON list of at most {max_ids} "
+            f"ids takes ({limit}); it was not read",
+        )
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise _error(
+            path,
+            f"is not valid JSON ({e.__class__.__name__}: {e}); a .json keep-set "
+            "is a list of integer ids, e.g. [0, 5, 17]",
+        ) from None
+    if not isinstance(value, list):
+        kind = "object" if isinstance(value, dict) else type(value).__name__
+        raise _error(
+            path,
+            f"holds a JSON {kind}; a .json keep-set is a list of integer ids, "
+            "e.g. [0, 5, 17]",
+        )
+    for at, item in enumerate(value):
+        if type(item) is not int:
+            raise _error(
+                path,
+                f"entry {at} is {item!r}, not an integer id; a .json keep-set is "
+                "a list of integer ids, e.g. [0, 5, 17]",
+            )
+        if not -(2**63) <= item < 2**63:
+            raise _error(path, f"id {item} at index {at} is out of range")
+    _count_ids(path, (len(value),), max_ids)
+    return torch.sort(torch.tensor(value, dtype=torch.int64)).values
 
 
 def _check_dense(ids: torch.Tensor, path: str) -> None:
@@ -374,7 +455,12 @@ def read_keepset_file(path: str, max_ids: int = MAX_IDS) -> torch.Tensor:
             ),
         )
     suffix = os.path.splitext(path)[1].lower()
-    readers = {".npy": _read_npy, ".safetensors": _read_safetensors, ".pt": _read_pt}
+    readers = {
+        ".npy": _read_npy,
+        ".safetensors": _read_safetensors,
+        ".pt": _read_pt,
+        ".json": _read_json,
+    }
     if suffix not in readers:
         raise _error(
             path,

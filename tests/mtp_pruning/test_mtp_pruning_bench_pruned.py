@@ -11,7 +11,11 @@ never kept: position 1 is never accepted).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,3 +107,58 @@ def test_decode_speed_comes_from_the_engines_request_times(bench_run):
         result["summary"]["pruned"]["engine_decode_tok_per_s"]
         / result["summary"]["unpruned"]["engine_decode_tok_per_s"]
     )
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _group_members(pgid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rpartition(")")[2].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def test_sigterm_stops_the_server_bench_pruned_started(tmp_path, tiny_mtp_model, pruning_overlay):
+    keep = tmp_path / "even.npy"
+    vocab = json.loads((tiny_mtp_model / "config.json").read_text())
+    vocab = (vocab.get("text_config") or {}).get("vocab_size") or vocab["vocab_size"]
+    np.save(keep, np.arange(0, vocab, 2, dtype=np.int64))
+    cmd = [*tool("bench-pruned"), "--model", str(tiny_mtp_model), "--keepset", str(keep), "-n", "1"]
+    cmd += ["--server-arg=--max-model-len=512", "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.Popen(cmd, env=vllm_env(pruning_overlay), stderr=subprocess.PIPE, text=True)
+    server = None
+    try:
+        deadline = time.monotonic() + 120
+        while server is None and time.monotonic() < deadline and proc.poll() is None:
+            server = next(iter(_children(proc.pid)), None)
+            time.sleep(0.2)
+        assert server is not None, "bench-pruned started no server"
+        time.sleep(5)  # the server is starting up (its own session, its own process group)
+        assert _group_members(server)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM
+        assert "magpie bench-pruned: stopped by SIGTERM" in proc.stderr.read()
+        assert _group_members(server) == []  # the old code left the whole server running
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if server is not None and _group_members(server):
+            os.killpg(server, signal.SIGKILL)

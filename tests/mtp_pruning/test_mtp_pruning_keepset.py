@@ -4,6 +4,10 @@ it is loaded straight from the patched overlay without vLLM."""
 
 from __future__ import annotations
 
+import io
+import re
+import zipfile
+
 import numpy as np
 import pytest
 import torch
@@ -78,9 +82,61 @@ def test_a_keep_set_is_read_header_first_and_only_as_far_as_its_ids(draft_vocab,
 
 
 def test_unknown_suffix_is_refused(draft_vocab, tmp_path):
+    path = tmp_path / "keep.txt"
+    path.write_text("1 2 3")
+    with pytest.raises(draft_vocab.DraftVocabError, match=r"unsupported file type '.txt'; use one of .*\.json"):
+        draft_vocab.load_keep_ids(str(path), VOCAB)
+
+
+def test_a_json_list_of_ids_loads_sorted(draft_vocab, tmp_path):
     path = tmp_path / "keep.json"
-    path.write_text("[1, 2, 3]")
-    with pytest.raises(draft_vocab.DraftVocabError, match="unsupported file type '.json'"):
+    path.write_text("[4000, 7, 3]")  # as community recipes pass keep-sets around: unsorted
+    ids = draft_vocab.load_keep_ids(str(path), VOCAB)
+    assert ids.dtype == torch.int64 and ids.tolist() == [3, 7, 4000]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"ids": [1, 2]}', "holds a JSON object; a .json keep-set is a list of integer ids"),
+        ("[1, 2.0]", "entry 1 is 2.0, not an integer id"),
+        ("[1, true]", "entry 1 is True, not an integer id"),
+        ("[1, 2", "is not valid JSON"),
+        ("[1, 1]", "duplicate id 1"),
+        ("[1, 4096]", "out of range"),
+        ("[]", "is empty"),
+    ],
+)
+def test_a_json_keep_set_that_is_not_a_list_of_ids_is_refused(draft_vocab, tmp_path, text, message):
+    path = tmp_path / "keep.json"
+    path.write_text(text)
+    with pytest.raises(draft_vocab.DraftVocabError, match=f"draft_vocab_path {path}: .*{re.escape(message)}"):
+        draft_vocab.load_keep_ids(str(path), VOCAB)
+
+
+def test_a_pt_that_would_inflate_past_a_keep_set_is_refused_before_torch_load(draft_vocab, tmp_path, monkeypatch):
+    # torch.save's entries recompressed with DEFLATE: 32 MiB of zeros in a file of about 33 KB.
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(1 << 22, dtype=torch.int64), buffer)
+    source = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    path = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in source.infolist():
+            out.writestr(info.filename, source.read(info.filename))
+    assert path.stat().st_size < 100_000  # under the file-size bound of a 4096-id keep-set
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("torch.load was called")
+
+    monkeypatch.setattr(torch, "load", no_load)  # the module's own torch: refused before loading
+    with pytest.raises(draft_vocab.DraftVocabError, match="zip entries that inflate to .*it was not loaded"):
+        draft_vocab.load_keep_ids(str(path), VOCAB)
+
+
+def test_a_pt_that_is_not_a_zip_is_refused(draft_vocab, tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save(torch.tensor([1, 2]), path, _use_new_zipfile_serialization=False)
+    with pytest.raises(draft_vocab.DraftVocabError, match="not a zip-format torch.save file"):
         draft_vocab.load_keep_ids(str(path), VOCAB)
 
 
