@@ -72,6 +72,8 @@ save_metrics() {
 }
 
 read -r -a bench_args <<<"$BENCH_ARGS"
+# The launch manifest beside serve.sh's LOG stamps vLLM and the patch states on every bench result.
+if [ -n "$SERVER_LOG" ]; then bench_args+=(--server-log "$SERVER_LOG"); fi
 read -r -a gsm8k_args <<<"$GSM8K_ARGS"
 [ -n "$GSM8K_LIMIT" ] && gsm8k_args+=(--limit "$GSM8K_LIMIT")
 

@@ -34,9 +34,13 @@ are all done is not launched at all. A rerun may name fewer or more configuratio
 concurrencies or repeats: RUN_DIR/sweep.json keeps the union, and the results cover every run
 the folder holds. A rerun with another output length, prompt style, seed or prompts per point
 is refused (its runs would not be comparable). RUN_DIR/results.json (schema
-"magpie/sweep/2": a summary row per configuration x input length x concurrency, pooled over
-repeats, then every run), results.csv (the summary rows) and points.csv (one row per run) are
-rewritten after every run. `report.py --sweep RUN_DIR` draws it. Decode tok/s is the engine's
+"magpie/sweep/3": a summary row per configuration x input length x concurrency, pooled over
+repeats, each figure's median / min / max over the repeats, then every run), results.csv (the
+summary rows), metrics.csv (one row per point and per figure: median, min, max over the
+repeats) and points.csv (one row per run) are rewritten after every run. The table compares
+each configuration's decode tok/s with the first configuration's and says "within noise" when
+the repeats' ranges overlap. `--percentile-metrics`, `--metric-percentiles` and `--goodput` are
+bench-decode's (`vllm bench serve`'s spelling). `report.py --sweep RUN_DIR` draws it. Decode tok/s is the engine's
 (vllm:request_decode_time_seconds, pooled over a point's runs), never a client-side rate: see
 bench_decode.py.
 
@@ -64,11 +68,11 @@ import urllib.error
 import urllib.request
 
 from magpie import cli, files
-from magpie.measure import bench_decode
+from magpie.measure import bench_decode, common
 from magpie.serving import client
 from magpie.serving.process import ServerDied, ServeShServer
 
-SCHEMA = files.schema("sweep", 2)
+SCHEMA = files.schema("sweep", 3)
 PLAN_SCHEMA = files.schema("sweep-plan", 1)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_ALIASES = {"mtp": "MTP", "draft_vocab": "DRAFT_VOCAB_PATH"}
@@ -305,10 +309,48 @@ def pooled_engine_decode(results: list[dict]) -> float | None:
     return tokens / seconds if seconds else None
 
 
-def summary_row(config: str, input_len: int, concurrency: int, results: list[dict]) -> dict:
-    """One configuration x length x concurrency: percentiles over the requests of all repeats."""
+# The figures of a point whose spread over the repeats is kept (median / min / max / n), and the
+# one the comparison between configurations reads.
+SPREAD_FIGURES = (
+    "engine_decode_tok_s",
+    "aggregate_tok_s",
+    "ttft_p50_ms",
+    "tpot_p50_ms",
+    "itl_p50_ms",
+    "e2el_p50_ms",
+    "acceptance_length",
+    "goodput_req_s",
+)
+COMPARED_FIGURE = "engine_decode_tok_s"
+METRICS_CSV = "metrics.csv"  # one row per point and per figure
+METRICS_FIELDS = ["config", "input_len", "concurrency", "figure", "median", "min", "max", "n"]
+
+
+def run_figures(result: dict, slos: dict[str, float]) -> dict:
+    """SPREAD_FIGURES of one run."""
+    s = result["summary"]
+    good = common.goodput(result["records"], slos, s["duration_s"]) if slos else None
+    return {
+        "engine_decode_tok_s": s.get("engine_decode_tok_per_s"),
+        "aggregate_tok_s": s.get("aggregate_output_tok_per_s"),
+        **{f"{m}_p50_ms": _pct(s.get(f"{m}_ms"), "p50") for m in ("ttft", "tpot", "itl", "e2el")},
+        "acceptance_length": (s.get("spec_decode") or {}).get("acceptance_length"),
+        "goodput_req_s": (good or {}).get("request_per_s"),
+    }
+
+
+def summary_row(config: str, input_len: int, concurrency: int, results: list[dict], plan: dict | None = None) -> dict:
+    """One configuration x length x concurrency: percentiles over the requests of all repeats,
+    and each figure's spread over the repeats."""
+    plan = plan or {}
+    metrics = plan.get("percentile_metrics")
+    qs = plan.get("metric_percentiles")
+    slos = plan.get("goodput_slo_ms") or {}
     records = [r for res in results for r in res["records"] if r["ok"]]
-    summary = bench_decode.summarize([r for res in results for r in res["records"]], None, None, None)  # pooled
+    pooled = [r for res in results for r in res["records"]]
+    summary = bench_decode.summarize(pooled, None, None, None, metrics, qs)  # pooled over the repeats
+    per_run = [run_figures(res, slos) for res in results]
+    spreads = {name: common.spread([f[name] for f in per_run]) for name in SPREAD_FIGURES}
     aggregates = sorted(x["summary"]["aggregate_output_tok_per_s"] for x in results)
     accepted = drafts = 0.0
     for res in results:
@@ -330,7 +372,53 @@ def summary_row(config: str, input_len: int, concurrency: int, results: list[dic
         "aggregate_tok_s_min": aggregates[0] if aggregates else None,
         "aggregate_tok_s_max": aggregates[-1] if aggregates else None,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "percentiles_ms": summary["percentiles_ms"],
+        "goodput": {
+            "slo_ms": slos,
+            "good_requests": sum(common.goodput(res["records"], slos, None)["good_requests"] for res in results),
+            "requests": len(pooled),
+            "request_per_s": spreads["goodput_req_s"],
+        }
+        if slos
+        else None,
+        "spread": spreads,
     }
+
+
+def metric_rows(summaries: list[dict]) -> list[dict]:
+    """metrics.csv: one row per point (configuration x length x concurrency) and per figure, the
+    figure's median / min / max over the repeats, and the pooled percentiles of the latencies."""
+    rows = []
+    for row in summaries:
+        where = {k: row[k] for k in ("config", "input_len", "concurrency")}
+        for name, figures in row["spread"].items():
+            if figures:
+                rows.append(dict(where, figure=name, **figures))
+        for metric, figures in (row.get("percentiles_ms") or {}).items():
+            for key, value in (figures or {}).items():
+                rows.append(dict(where, figure=f"{metric}_{key}_ms_pooled", median=value, n=row["requests"]))
+    return rows
+
+
+def compare_to_first(document: dict) -> dict[tuple, str]:
+    """(config, input_len, concurrency) -> how its COMPARED_FIGURE stands against the first
+    configuration's at the same length and concurrency ("within noise" when the repeats' ranges
+    overlap)."""
+    rows = document["summary"]
+    if not rows:
+        return {}
+    first = document["configs"][0]["name"] if document.get("configs") else rows[0]["config"]
+    base = {(r["input_len"], r["concurrency"]): r for r in rows if r["config"] == first}
+    out = {}
+    for r in rows:
+        ref = base.get((r["input_len"], r["concurrency"]))
+        if r["config"] == first or ref is None:
+            out[(r["config"], r["input_len"], r["concurrency"])] = "(reference)" if r["config"] == first else "-"
+            continue
+        out[(r["config"], r["input_len"], r["concurrency"])] = common.compare(
+            (ref.get("spread") or {}).get(COMPARED_FIGURE), (r.get("spread") or {}).get(COMPARED_FIGURE)
+        )
+    return out
 
 
 def _csv(rows: list[dict], fields: list[str]) -> str:
@@ -360,7 +448,7 @@ def write_results(run_dir: str, plan: dict) -> dict:
                     if result["status"] == "complete":
                         done.append(result)
                 if done:
-                    summaries.append(summary_row(config["name"], input_len, concurrency, done))
+                    summaries.append(summary_row(config["name"], input_len, concurrency, done, plan))
     expected = len(plan["configs"]) * len(plan["input_lens"]) * len(plan["concurrency"]) * plan["repeats"]
     finished = sum(p["status"] == "complete" for p in points)
     document = {
@@ -380,6 +468,7 @@ def write_results(run_dir: str, plan: dict) -> dict:
     files.atomic_write_json(os.path.join(run_dir, files.SWEEP_RESULTS), document)
     files.atomic_write_text(os.path.join(run_dir, files.SWEEP_RESULTS_CSV), _csv(summaries, SUMMARY_FIELDS))
     files.atomic_write_text(os.path.join(run_dir, files.SWEEP_POINTS_CSV), _csv(points, POINT_FIELDS))
+    files.atomic_write_text(os.path.join(run_dir, METRICS_CSV), _csv(metric_rows(summaries), METRICS_FIELDS))
     return document
 
 
@@ -392,20 +481,23 @@ def print_summary(document: dict, out=sys.stdout) -> None:
         file=out,
     )
     header = f"{'config':<14}{'input':>8}{'c':>4}{'rep':>4}  {'TTFT p50/p99 ms':>18}  {'TPOT p50/p99 ms':>16}"
-    header += f"  {'ITL p50/p99 ms':>16}  {'decode tok/s':>12}  {'agg tok/s':>9}  {'L':>5}"
+    header += f"  {'ITL p50/p99 ms':>16}  {'decode tok/s':>12}  {'agg tok/s':>9}  {'L':>5}  decode vs first"
     print(header, file=out)
+    versus = compare_to_first(document)
     for row in document["summary"]:
         print(
             f"{row['config']:<14}{row['input_len']:>8}{row['concurrency']:>4}{row['repeats']:>4}  "
             f"{f(row['ttft_p50_ms']):>8} / {f(row['ttft_p99_ms']):<7}  {f(row['tpot_p50_ms'], '.2f'):>7} / "
             f"{f(row['tpot_p99_ms'], '.2f'):<6}  {f(row['itl_p50_ms'], '.2f'):>7} / {f(row['itl_p99_ms'], '.2f'):<6}  "
             f"{f(row['engine_decode_tok_s']):>12}  {f(row['aggregate_tok_s_median']):>9}  "
-            f"{f(row['acceptance_length'], '.2f'):>5}",
+            f"{f(row['acceptance_length'], '.2f'):>5}  "
+            f"{versus.get((row['config'], row['input_len'], row['concurrency']), '-')}",
             file=out,
         )
     print(
         "decode tok/s: per request, from the engine's timestamps; agg tok/s: all requests' output tokens over "
-        "the run's wall time (median of the repeats); L: MTP acceptance length",
+        "the run's wall time (median of the repeats); L: MTP acceptance length; decode vs first: the "
+        "median's change against the first configuration, 'within noise' when the repeats' ranges overlap",
         file=out,
     )
 
@@ -463,6 +555,9 @@ def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
         "input_lens": args.input_lens,
         "concurrency": args.concurrency,
         "repeats": args.repeats,
+        "percentile_metrics": args.percentile_metrics,
+        "metric_percentiles": args.metric_percentiles,
+        "goodput_slo_ms": args.goodput_slo_ms,
         "configs": configs,
         "host": {"name": os.uname().nodename, "machine": os.uname().machine, "cpus": os.cpu_count()},
     }
@@ -513,7 +608,11 @@ def run_point(base: str, model: str, args, run_dir: str, config: str, input_len:
         "--label", f"{config} in={input_len} c={concurrency} r={repeat}",
         "--output", path,
         "--force",
+        "--percentile-metrics", ",".join(args.percentile_metrics),
+        "--metric-percentiles", ",".join(f"{q:g}" for q in args.metric_percentiles),
     ]  # fmt: skip
+    if args.goodput:
+        bench_args += ["--goodput", *args.goodput]
     return bench_decode.main(bench_args)
 
 
@@ -545,7 +644,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=1800,
                         help="seconds for a launched server to become healthy (default: %(default)s)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900, help="seconds per request (default: %(default)s)")
+    parser.add_argument("--percentile-metrics", default=common.DEFAULT_PERCENTILE_METRICS,
+                        help="metrics whose percentiles are reported (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--metric-percentiles", default=common.DEFAULT_METRIC_PERCENTILES,
+                        help="percentiles reported (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                        help="SLOs for goodput, KEY one of ttft, tpot, e2el (default: none)")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        args.percentile_metrics = common.parse_percentile_metrics(args.percentile_metrics)
+        args.metric_percentiles = common.parse_metric_percentiles(args.metric_percentiles)
+        args.goodput_slo_ms = common.parse_goodput(args.goodput)
+    except ValueError as e:
+        parser.error(str(e))
     configs = args.config + args.server
     if not configs:
         parser.error("give at least one --config or --server")
@@ -600,7 +711,7 @@ def run_sweep(args, configs: list[dict]) -> int:
                 if not client.server_alive(base):
                     say(f"error: {config['name']}: no healthy server at {base}")
                     return 3
-            listed = client.first_model(base)
+            listed = common.model_entry(base)
             model, max_len = listed["id"], listed.get("max_model_len")
             # One unmeasured request first: the first request after a start pays one-time costs.
             warm = bench_decode.request_body(

@@ -427,7 +427,7 @@ def sweep_dir(first_sweep) -> Path:
 def test_sweep_measures_every_point_with_a_prefix_cache_reset_before_each(first_sweep):
     sweep_dir = first_sweep.path
     results = json.loads((sweep_dir / "results.json").read_text())
-    assert results["schema"] == "magpie/sweep/2" and results["status"] == "complete"
+    assert results["schema"] == "magpie/sweep/3" and results["status"] == "complete"
     assert results["points_expected"] == results["points_complete"] == 4
     assert {(r["config"], r["input_len"], r["concurrency"]) for r in results["summary"]} == {
         ("mtp3", n, k) for n in (64, 200) for k in (1, 2)
@@ -581,13 +581,18 @@ def test_report_reads_sweeps_under_the_legacy_and_the_current_schema_prefix(tmp_
     assert json.loads((committed / "results.json").read_text())["schema"] == "flash-next/sweep/1"
     page = "".join(report.sweep_section(report.load_sweep(str(committed))))
     assert "written by an older sweep.py (flash-next/sweep/1)" in page
-    for schema, older in (("magpie/sweep/1", True), ("magpie/sweep/2", False), ("flash-next/sweep/2", False)):
+    for schema, older in (
+        ("magpie/sweep/1", True),
+        ("magpie/sweep/2", False),
+        ("magpie/sweep/3", False),
+        ("flash-next/sweep/2", False),
+    ):
         folder = tmp_path / schema.replace("/", "-")
         folder.mkdir()
         document = {**json.loads((committed / "results.json").read_text()), "schema": schema}
         (folder / "results.json").write_text(json.dumps(document))
         page = "".join(report.sweep_section(report.load_sweep(str(folder))))
         assert ("written by an older sweep.py" in page) is older, schema
-    (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/3"}))
-    with pytest.raises(SystemExit, match=r"not a sweep.py result \(magpie/sweep/2 or magpie/sweep/1\)"):
+    (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/4"}))
+    with pytest.raises(SystemExit, match=r"not a sweep.py result \(magpie/sweep/3 or magpie/sweep/2 or magpie/sweep/1\)"):
         report.load_sweep(str(folder))
