@@ -139,7 +139,7 @@ def percentiles(ms_values: list[float], qs: list[float]) -> dict[str, float] | N
 def _meets(seconds: float | None, slo_ms: float, name: str) -> bool:
     if seconds is None:
         return name == "tpot"
-    return seconds * 1000 <= slo_ms
+    return slo_ms / 1000 >= seconds  # vLLM's comparison, in seconds
 
 
 def goodput(records: list[dict], slos: dict[str, float], duration: float | None) -> dict | None:

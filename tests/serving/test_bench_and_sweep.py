@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from magpie.measure import report, sweep
+from magpie.measure import common, report, sweep
 from magpie.serving.process import VllmServer
 from tests.serving.helpers import MEASURE, PYTHON, REPO, run_tool, tool, vllm_env
 
@@ -99,9 +99,16 @@ def test_bench_figures_equal_vllm_calculate_metrics_on_the_same_timings(server, 
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
     from vllm.benchmarks.serve import calculate_metrics
 
-    result = bench(server.url, tmp_path / "bench.json", write_prompts(tmp_path, prompts))
-    result.pop("stdout")
+    qs = [25.0, 50.0, 99.9]
+    rows, lines = tmp_path / "bench.csv", tmp_path / "bench.jsonl"
+    result = bench(
+        server.url, tmp_path / "bench.json", write_prompts(tmp_path, prompts),
+        "--metric-percentiles", "25,50,99.9", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--goodput", "ttft:600000", "e2el:600000", "--csv", str(rows), "--jsonl", str(lines),
+    )  # fmt: skip
+    stdout = result.pop("stdout")
     jsonschema.validate(result, json.loads((MEASURE / "schemas" / "bench-decode.schema.json").read_text()))
+    assert result["schema"] == "magpie/bench-decode/4"
     outputs = [
         RequestFuncOutput(
             success=True,
@@ -123,6 +130,37 @@ def test_bench_figures_equal_vllm_calculate_metrics_on_the_same_timings(server, 
         percentiles = dict(getattr(metrics, f"percentiles_{name}_ms"))
         for q in (50, 90, 99):
             assert ours[f"p{q}"] == pytest.approx(percentiles[q], rel=1e-9), (name, q)
+    # The chosen percentiles and goodput, as vLLM computes them (its own SLO comparison).
+    metrics, _ = calculate_metrics([], outputs, s["duration_s"], None, qs, {"ttft": 600000.0, "e2el": 600000.0})
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        theirs = dict(getattr(metrics, f"percentiles_{name}_ms"))
+        ours = s["percentiles_ms"][name]
+        assert set(ours) == {"p25", "p50", "p99.9"}, ours
+        for q in qs:
+            assert ours[f"p{q:g}"] == pytest.approx(theirs[q], rel=1e-9), (name, q)
+        assert f"{name.upper()} ms percentiles" in stdout
+    assert s["goodput"]["good_requests"] == PROMPT_COUNT
+    assert s["goodput"]["request_per_s"] == pytest.approx(metrics.request_goodput, rel=1e-9)
+    # An SLO between two requests' TTFTs: some requests meet it, as in vLLM's count.
+    ttfts = sorted(r["ttft_s"] for r in result["records"])
+    slo = {"ttft": (ttfts[1] + ttfts[-2]) / 2 * 1000, "tpot": 10**6}
+    metrics, _ = calculate_metrics([], outputs, s["duration_s"], None, qs, slo)
+    good = common.goodput(result["records"], slo, s["duration_s"])
+    assert 0 < good["good_requests"] < PROMPT_COUNT
+    assert good["request_per_s"] == pytest.approx(metrics.request_goodput, rel=1e-9)
+    # CSV: one row per metric; JSONL: one line per request, the JSON's records.
+    table = list(csv.DictReader(rows.open()))
+    assert [r["metric"] for r in table][:4] == ["ttft", "tpot", "itl", "e2el"]
+    assert float(table[0]["p99.9"]) == pytest.approx(s["percentiles_ms"]["ttft"]["p99.9"])
+    assert float(table[1]["mean"]) == pytest.approx(s["tpot_ms"]["mean"])
+    assert [json.loads(x)["output_sha256"] for x in lines.read_text().splitlines()] == [
+        r["output_sha256"] for r in result["records"]
+    ]
+    # The machine's state: no GPU here, MemAvailable's low-water mark under its start.
+    state = result["machine"]
+    assert state["launch"]["vllm_server"] == result["server"]["vllm_version"]
+    assert state["gpu"]["name"] == "unknown" or state["gpu"]["driver"] != "unknown"
+    assert 0 < state["mem_available_low_water_bytes"] <= state["mem_available_before_bytes"]
     # Per request only vLLM's figures: no rate over a client-side window.
     for record in result["records"]:
         assert not {"decode_tok_per_s", "decode_interval_s", "decode_unmeasured_reason"} & set(record)
@@ -450,6 +488,15 @@ def test_sweep_measures_every_point_with_a_prefix_cache_reset_before_each(first_
     assert float(rows[0]["tpot_p50_ms"]) == pytest.approx(results["summary"][0]["tpot_p50_ms"])
     with open(sweep_dir / "points.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 4
+    # Each figure's spread over the repeats (one here), one CSV row per point and figure.
+    row = results["summary"][0]
+    assert row["spread"]["engine_decode_tok_s"]["n"] == 1
+    assert row["spread"]["engine_decode_tok_s"]["median"] == pytest.approx(row["engine_decode_tok_s"])
+    assert set(row["percentiles_ms"]) == {"ttft", "tpot", "itl", "e2el"} and "p90" in row["percentiles_ms"]["itl"]
+    with open(sweep_dir / "metrics.csv", newline="") as f:
+        figures = list(csv.DictReader(f))
+    assert {r["figure"] for r in figures} >= {"engine_decode_tok_s", "ttft_p50_ms", "acceptance_length"}
+    assert len([r for r in figures if r["figure"] == "engine_decode_tok_s"]) == 4
     # Every request had a prompt of its own.
     files = (sweep_dir / "prompts").glob("*.jsonl")
     texts = [json.loads(line)["prompt"] for p in files for line in p.read_text().splitlines()]
@@ -554,6 +601,9 @@ def test_sweep_launches_a_configuration_through_serve_sh(sweep_dir, server, tiny
     off = [r for r in results["summary"] if r["config"] == "off"]
     assert len(off) == 4 and all(r["acceptance_length"] is None and r["failed"] == 0 for r in off)
     assert results["points_complete"] == 12
+    # The table compares with the first configuration; one run per point has no noise range.
+    assert "decode vs first" in proc.stdout
+    assert re.search(r"^off .*% \(one run: noise unknown\)$", proc.stdout, re.M), proc.stdout
 
 
 def test_report_draws_the_sweep(sweep_dir, tmp_path):
@@ -594,5 +644,7 @@ def test_report_reads_sweeps_under_the_legacy_and_the_current_schema_prefix(tmp_
         page = "".join(report.sweep_section(report.load_sweep(str(folder))))
         assert ("written by an older sweep.py" in page) is older, schema
     (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/4"}))
-    with pytest.raises(SystemExit, match=r"not a sweep.py result \(magpie/sweep/3 or magpie/sweep/2 or magpie/sweep/1\)"):
+    with pytest.raises(
+        SystemExit, match=r"not a sweep.py result \(magpie/sweep/3 or magpie/sweep/2 or magpie/sweep/1\)"
+    ):
         report.load_sweep(str(folder))
