@@ -278,6 +278,16 @@ def print_table(result: dict, out=sys.stdout) -> None:
     for name, figures in (s.get("percentiles_ms") or {}).items():
         chosen = "  ".join(f"{k} {_fmt(v, '.2f')}" for k, v in (figures or {}).items()) or "-"
         print(f"  {name.upper() + ' ms percentiles':<27}{chosen}", file=out)
+    spread = s.get("spread") or {}
+    if cfg.get("repeats", 1) > 1:
+        for name in ("engine_decode_tok_per_s", "aggregate_output_tok_per_s", "tpot_p50_ms"):
+            f = spread.get(name)
+            if f:
+                print(
+                    f"  {name + ' over repeats':<27}median {_fmt(f['median'], '.2f')}  min {_fmt(f['min'], '.2f')}  "
+                    f"max {_fmt(f['max'], '.2f')}  (n {f['n']})",
+                    file=out,
+                )
     good = s.get("goodput")
     if good:
         slos = ", ".join(f"{k} <= {v:g} ms" for k, v in good["slo_ms"].items())
@@ -365,6 +375,62 @@ def mtp_line(result: dict) -> str:
     return "unknown (/metrics not read)"
 
 
+# The figures of each repeat, whose median / min / max over the repeats the summary keeps.
+REPEAT_FIGURES = (
+    "engine_decode_tok_per_s",
+    "aggregate_output_tok_per_s",
+    "ttft_p50_ms",
+    "tpot_p50_ms",
+    "itl_p50_ms",
+    "e2el_p50_ms",
+    "acceptance_length",
+)
+
+
+def run_once(args, base: str, model: str, prompts: list, repeat: int, before: MetricsSnapshot) -> dict:
+    """One repeat: `-n` requests at `-c`; its records (indices continue over the repeats), status,
+    wall time, the /metrics page after it (None when unread) and its own figures."""
+    t0 = time.perf_counter()
+    offset = (repeat - 1) * args.num_prompts
+
+    def body(index: int) -> dict:
+        return request_body(args, model, prompts[index % len(prompts)])
+
+    def make_record(index: int, raw: dict) -> dict:
+        return dict(finish_record(offset + index, index % len(prompts), raw, t0), repeat=repeat)
+
+    records, status = client.run_requests(
+        base,
+        args.num_prompts,
+        args.concurrency,
+        body,
+        make_record,
+        args.timeout,
+        progress=lambda done: f"repeat {repeat}/{args.repeats}: {len(done)}/{args.num_prompts} requests",
+    )
+    ends = [r["end_s"] for r in records if r["end_s"] is not None]
+    duration = max(ends) if ends else None
+    after, spec, engine = None, None, None
+    if status == "complete":
+        try:
+            after = common.fetch_metrics(base, f"after repeat {repeat}")
+            spec = after.spec_decode(before)
+            engine = engine_decode(after, before)
+        except common.Refusal as e:
+            print(f"warning: {e.message.removeprefix('error: ')}", file=sys.stderr)
+    s = summarize(records, duration, spec, engine)
+    figures = {
+        "repeat": repeat,
+        "status": status,
+        "duration_s": duration,
+        "engine_decode_tok_per_s": s["engine_decode_tok_per_s"],
+        "aggregate_output_tok_per_s": s["aggregate_output_tok_per_s"],
+        **{f"{m}_p50_ms": (s[f"{m}_ms"] or {}).get("p50") for m in ("ttft", "tpot", "itl", "e2el")},
+        "acceptance_length": (spec or {}).get("acceptance_length"),
+    }
+    return {"records": records, "status": status, "duration_s": duration, "metrics_after": after, "figures": figures}
+
+
 def _metrics_or_none(base: str) -> MetricsSnapshot | None:
     try:
         return common.fetch_metrics(base, "before the run")
@@ -380,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-c", "--concurrency", type=int, default=1, help="requests in flight (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens per request (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests first (default: %(default)s)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of -n requests, pooled; each figure's median/min/max is kept (default: %(default)s)",
+    )
     parser.add_argument("--prompts", metavar="FILE", help="JSONL/JSON prompts (default: the built-in set)")
     parser.add_argument("--thinking", action="store_true", help="let the model think (default: thinking off)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (default: off)")
@@ -412,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     cli.add_force(parser, "the --output/--csv/--jsonl files")
     args = parser.parse_args(argv)
-    if args.num_prompts < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.warmup < 0:
-        parser.error("--num-prompts, --concurrency and --max-tokens must be >= 1, --warmup >= 0")
+    if args.num_prompts < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--num-prompts, --concurrency, --max-tokens and --repeats must be >= 1, --warmup >= 0")
     try:
         metric_names = common.parse_percentile_metrics(args.percentile_metrics)
         qs = common.parse_metric_percentiles(args.metric_percentiles)
@@ -453,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
             "warmup": args.warmup,
+            "repeats": args.repeats,
             "thinking": args.thinking,
             "ignore_eos": args.ignore_eos,
             "temperature": args.temperature,
@@ -465,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": None,
         "summary": None,
         "metrics_delta": None,
+        "repeats": [],
         "records": [],
     }
 
@@ -474,46 +548,38 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the server died during the warm-up ({raw['error']})", file=sys.stderr)
             result["status"] = "server-died"
             result["summary"] = summarize([], None, None, None, metric_names, qs, slos)
+            result["summary"]["spread"] = dict.fromkeys(REPEAT_FIGURES)
             result["machine"] = state.record()
             write_outputs(args, result)
             return 3
 
     metrics_before = common.fetch_metrics(base, "before the run")
     result["server"]["mtp"] = mtp_state(metrics_before)  # after the warm-up: every counter is there
-    t0 = time.perf_counter()
-
-    def body(index: int) -> dict:
-        return request_body(args, model, prompts[index % len(prompts)])
-
-    def make_record(index: int, raw: dict) -> dict:
-        return finish_record(index, index % len(prompts), raw, t0)
-
+    records: list[dict] = []
+    repeats: list[dict] = []
+    status, duration, metrics_last = "complete", 0.0, metrics_before
     with state.watch():
-        records, status = client.run_requests(
-            base,
-            args.num_prompts,
-            args.concurrency,
-            body,
-            make_record,
-            args.timeout,
-            progress=lambda done: f"{len(done)}/{args.num_prompts} requests",
-        )
+        for repeat in range(1, args.repeats + 1):
+            run = run_once(args, base, model, prompts, repeat, metrics_last)
+            records += run["records"]
+            status = run["status"]
+            duration += run["duration_s"] or 0.0
+            metrics_last = run["metrics_after"]
+            repeats.append(run["figures"])
+            if status != "complete" or metrics_last is None:
+                break
     if status == "complete" and not any(r["ok"] for r in records):
         status = "requests-failed"
-    ends = [r["end_s"] for r in records if r["end_s"] is not None]
-    duration = max(ends) if ends else None
-
     spec, deltas, engine = None, {}, None
-    if status == "complete":
-        try:
-            metrics_after = common.fetch_metrics(base, "after the run")
-            spec = metrics_after.spec_decode(metrics_before)
-            deltas = metrics_after.counter_deltas(metrics_before)
-            engine = engine_decode(metrics_after, metrics_before)
-        except common.Refusal as e:
-            print(f"warning: {e.message.removeprefix('error: ')}", file=sys.stderr)
+    if status == "complete" and metrics_last is not None:  # pooled over the repeats
+        spec = metrics_last.spec_decode(metrics_before)
+        deltas = metrics_last.counter_deltas(metrics_before)
+        engine = engine_decode(metrics_last, metrics_before)
+    duration = duration or None
     result["status"] = status
     result["summary"] = summarize(records, duration, spec, engine, metric_names, qs, slos)
+    result["summary"]["spread"] = {name: common.spread([r[name] for r in repeats]) for name in REPEAT_FIGURES}
+    result["repeats"] = repeats
     result["metrics_delta"] = deltas or None
     result["machine"] = state.record()
     result["records"] = records

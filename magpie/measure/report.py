@@ -26,6 +26,7 @@ import os
 import sys
 
 from magpie import cli, files
+from magpie.measure import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SEED = os.path.normpath(os.path.join(HERE, "..", "..", "docs", "data", "flash-next-seed-gb10.json"))
@@ -240,10 +241,21 @@ def summary_text(run: dict) -> str:
     return "\n".join(lines)
 
 
+def decode_spread(run: dict) -> dict | None:
+    """The c=1 bench's engine decode tok/s over its repeats (bench-decode/4 with --repeats)."""
+    return ((_get(run["bench_c1"], "summary", "spread") or {}).get("engine_decode_tok_per_s")) or None
+
+
+def versus_first(first: dict, run: dict) -> str:
+    """ "within noise" when the two runs' repeat ranges overlap, else the change of the medians."""
+    return common.compare(decode_spread(first), decode_spread(run))
+
+
 def compare_text(runs: list[dict]) -> str:
     header = [
         "configuration",
         "c=1 decode tok/s per request",
+        "c=1 decode vs first (repeats)",
         "c=4 aggregate tok/s, all requests",
         "accept. L",
         "accept. rate",
@@ -256,6 +268,7 @@ def compare_text(runs: list[dict]) -> str:
             [
                 run["label"],
                 _fmt(run["c1_decode_tok_s"]),
+                "(reference)" if run is runs[0] else versus_first(runs[0], run),
                 _fmt(run["c4_aggregate_tok_s"]),
                 _fmt(run["acceptance_length"], ".2f"),
                 _fmt(run["acceptance_rate"], ".3f"),
@@ -269,7 +282,8 @@ def compare_text(runs: list[dict]) -> str:
     out += ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     out.append(
         "c=1 decode: one request at a time, its tokens after the first over its decode time (the engine's "
-        "timestamps); c=4 aggregate: four requests in flight, all output tokens over the run's wall time."
+        "timestamps); c=4 aggregate: four requests in flight, all output tokens over the run's wall time; "
+        "vs first: 'within noise' when the repeats' min..max ranges overlap (run_suite.sh REPEATS=3)."
     )
     if any(run["counting_model"] and run["gsm8k_accuracy"] is not None for run in runs):
         out.append(COUNTING_MODEL_NOTE)

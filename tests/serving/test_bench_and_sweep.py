@@ -167,6 +167,35 @@ def test_bench_figures_equal_vllm_calculate_metrics_on_the_same_timings(server, 
         assert record["tpot_s"] == pytest.approx((record["latency_s"] - record["ttft_s"]) / (MAX_TOKENS - 1))
 
 
+def test_bench_repeats_keep_each_figures_range_and_the_report_compares_them(server, prompts, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_tool(
+        "bench-decode", "--url", server.url, "-n", "2", "-c", "1", "--max-tokens", "16", "--ignore-eos",
+        "--warmup", "0", "--repeats", "2", "--prompts", str(write_prompts(tmp_path, prompts)), "--output", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    jsonschema.validate(result, json.loads((MEASURE / "schemas" / "bench-decode.schema.json").read_text()))
+    assert [r["repeat"] for r in result["records"]] == [1, 1, 2, 2]
+    assert [r["index"] for r in result["records"]] == [0, 1, 2, 3]
+    rates = [r["engine_decode_tok_per_s"] for r in result["repeats"]]
+    spread = result["summary"]["spread"]["engine_decode_tok_per_s"]
+    assert spread == {"median": pytest.approx(sum(rates) / 2), "min": min(rates), "max": max(rates), "n": 2}
+    assert min(rates) <= result["summary"]["engine_decode_tok_per_s"] <= max(rates)  # pooled sums
+    assert "engine_decode_tok_per_s over repeats" in proc.stdout
+    # The same measurement twice in the report: its ranges overlap.
+    folders = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "bench-c1.json").write_text(json.dumps({**result, "label": name}))
+        folders.append(str(folder))
+    table = run_tool("report", "--compare", *folders)
+    assert table.returncode == 0, table.stderr
+    assert "c=1 decode vs first (repeats)" in table.stdout
+    assert re.search(r"^b .*within noise", table.stdout, re.M), table.stdout
+
+
 def test_bench_agrees_with_the_real_vllm_bench_serve_cli(server, prompts, tmp_path):
     ours = bench(server.url, tmp_path / "bench.json", write_prompts(tmp_path, prompts))
     # The same prompts as a ShareGPT-format file (the custom dataset needs pandas, not installed).
