@@ -98,10 +98,29 @@ def load_prompts(path: str | None) -> tuple[list[list[dict]], str]:
     """Chat message lists, and where they came from."""
     if path is None:
         return [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS], "builtin"
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except IsADirectoryError:
+        raise common.Refusal(f"--prompts {path} is a folder; give a JSONL or JSON file") from None
+    except OSError as e:
+        raise common.Refusal(f"--prompts {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise common.Refusal(f"--prompts {path} is not UTF-8 text; give a JSONL or JSON file") from None
     stripped = text.lstrip()
-    items = json.loads(text) if stripped.startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    if stripped.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise common.Refusal(f"--prompts {path}: not a JSON list ({e})") from None
+    else:
+        items = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append(json.loads(line))
+                except ValueError as e:
+                    raise common.Refusal(f"--prompts {path} line {number}: not JSON ({e})") from None
     prompts = []
     for number, item in enumerate(items, 1):
         if isinstance(item, str):
@@ -499,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in outputs:
         files.check_output(path, args.force, what=flag)
         common.check_writable(path, flag)
+    if not args.url.startswith(("http://", "https://")):
+        parser.error(f"--url {args.url}: give the scheme, e.g. http://{args.url}")
     base = args.url.rstrip("/")
     prompts, source = load_prompts(args.prompts)
 

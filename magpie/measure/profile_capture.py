@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out {args.out} is a file; choose a new folder")
     common.check_writable(os.path.join(args.out, files.PROFILE_CAPTURE), "--out")
+    if not args.url.startswith(("http://", "https://")):
+        parser.error(f"--url {args.url}: give the scheme, e.g. http://{args.url}")
     base = args.url.rstrip("/")
     # The server first: a dead one leaves no folder behind.
     if not client.server_alive(base):

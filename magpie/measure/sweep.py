@@ -441,8 +441,12 @@ def write_results(run_dir: str, plan: dict) -> dict:
                     path = point_path(run_dir, config["name"], input_len, concurrency, repeat)
                     if not os.path.exists(path):
                         continue
-                    with open(path) as f:
-                        result = json.load(f)
+                    try:
+                        with open(path) as f:
+                            result = json.load(f)
+                        result["summary"]["requests"]
+                    except (OSError, ValueError, KeyError, TypeError):
+                        continue  # unreadable (cut short by a full disk, say): not done, so run again
                     relative = os.path.relpath(path, run_dir)
                     points.append(point_row(config["name"], input_len, concurrency, repeat, result, relative))
                     if result["status"] == "complete":
@@ -562,8 +566,13 @@ def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
         "host": {"name": os.uname().nodename, "machine": os.uname().machine, "cpus": os.cpu_count()},
     }
     if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as e:
+            raise common.Refusal(f"{path} cannot be read ({e}); use a new RUN_DIR or restore the file") from None
+        if not isinstance(old, dict):
+            raise common.Refusal(f"{path} is not a sweep plan (a JSON object); use a new RUN_DIR")
         changed = [k for k in FIXED_SETTINGS if old.get(k) != settings[k]]
         if changed:
             raise SystemExit(
@@ -682,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_sweep(args, configs: list[dict]) -> int:
+    if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):
+        raise common.Refusal(f"RUN_DIR {args.run_dir} is a file; give a folder (created, or an earlier run's)")
+    common.check_writable(os.path.join(args.run_dir, files.SWEEP_PLAN), "RUN_DIR")
     os.makedirs(args.run_dir, exist_ok=True)
     run_dir = os.path.abspath(args.run_dir)
     plan = load_plan(run_dir, args, configs)

@@ -272,3 +272,60 @@ def test_machine_state_without_a_gpu_says_unknown(tmp_path):
     assert isinstance(record["nv_err_no_memory"]["after"], int) or record["nv_err_no_memory"]["after"].startswith(
         "unreadable"
     )
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (None, ["No such file"]),
+        ("folder", ["is a folder"]),
+        ('{"prompt": "a"}\n{"prompt": "b', ["line 2", "not JSON"]),
+        ('["a", ', ["not a JSON list"]),
+        (b"\xff\xfe\x00", ["not UTF-8"]),
+        ("[]", ["holds no prompt"]),
+        ('[{"text": "a"}]', ["item 1"]),
+    ],
+    ids=["missing", "folder", "truncated-jsonl", "truncated-list", "binary", "empty", "wrong-item"],
+)
+def test_bench_bad_prompt_files_are_one_line_before_any_request(tmp_path, content, words):
+    path = tmp_path / "prompts.jsonl"
+    if content == "folder":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    routes = {"/v1/models": (200, "application/json", MODELS_OK), "/metrics": (200, "text/plain", METRICS_OK)}
+    with Misbehaving(routes) as server:
+        proc = run_tool("bench-decode", "--url", server.url, "-n", "1", "--prompts", str(path))
+    assert proc.returncode == 1
+    one_line_error(proc, str(path), *words)
+    assert server.chat_requests == 0
+
+
+def test_a_url_without_a_scheme_is_a_usage_error(tmp_path):
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    for name, args in (
+        ("bench-decode", ["--url", "127.0.0.1:8100"]),
+        ("profile-capture", ["--url", "127.0.0.1:8100", "--trace-dir", str(trace_dir), "--out", str(tmp_path / "o")]),
+    ):
+        proc = run_tool(name, *args)
+        assert proc.returncode == 2 and "give the scheme, e.g. http://127.0.0.1:8100" in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_sweep_run_dir_that_is_a_file_or_holds_a_broken_plan_is_one_line(tmp_path):
+    server = ["--server", "a=http://127.0.0.1:9", "--input-lens", "16"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("user data\n")
+    proc = run_tool("sweep", str(blocker), *server)
+    assert proc.returncode == 1
+    one_line_error(proc, "is a file")
+    assert blocker.read_text() == "user data\n"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "sweep.json").write_text('{"output_len": 25')
+    proc = run_tool("sweep", str(run_dir), *server)
+    assert proc.returncode == 1
+    one_line_error(proc, "sweep.json cannot be read")
