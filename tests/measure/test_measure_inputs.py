@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -329,3 +330,60 @@ def test_sweep_run_dir_that_is_a_file_or_holds_a_broken_plan_is_one_line(tmp_pat
     proc = run_tool("sweep", str(run_dir), *server)
     assert proc.returncode == 1
     one_line_error(proc, "sweep.json cannot be read")
+
+
+def test_machine_state_reads_the_launch_manifest_and_the_ple_tables_residency(tmp_path):
+    """A real launch manifest beside a log, the real patch files it names, and a checkpoint whose
+    PLE table shard is a real safetensors tensor: the state gives each patch's sha256 and the
+    table's resident fraction (mincore) before and after; reading the table makes it resident."""
+    import hashlib
+    import struct
+
+    from magpie.measure import machine
+    from tests.serving.helpers import REPO
+
+    series = REPO / "patches" / "vllm-0.29.0"
+    names = [x.strip() for x in (series / "series").read_text().splitlines() if x.strip() and not x.startswith("#")]
+    model = tmp_path / "model"
+    model.mkdir()
+    table = b"\x01" * (64 * 4096)
+    tensor = {"dtype": "U8", "shape": [len(table)], "data_offsets": [0, len(table)]}
+    header = json.dumps({"model.ngram_embedding.shard_0.weight": tensor}).encode()
+    shard = model / "model-00001.safetensors"
+    shard.write_bytes(struct.pack("<Q", len(header)) + header + table)
+    fd = os.open(shard, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # dropped from the page cache (a hint)
+    os.close(fd)
+    log = tmp_path / "server.log"
+    (tmp_path / "server.log.launch.json").write_text(
+        json.dumps(
+            {
+                "schema": "magpie/launch/1",
+                "model": str(model),
+                "overrides": {"PLE": "1", "MTP": "3"},
+                "versions": {"vllm": "0.29.0", "magpie": {"commit": "abc"}},
+                "patches": {
+                    "target": "/venv/site-packages",
+                    "series": str(series),
+                    "patches": [{"name": names[0], "state": "applied", "detail": "", "requires": []}],
+                },
+            }
+        )
+    )
+    state = machine.Machine(str(log), "0.29.0")
+    with state.watch():
+        shard.read_bytes()  # the run reads the table
+    record = state.record()
+    launch = record["launch"]
+    assert launch["vllm"] == "0.29.0" and launch["ple"] == "1" and launch["series"] == str(series)
+    assert launch["patches"] == [
+        {"name": names[0], "state": "applied", "sha256": hashlib.sha256((series / names[0]).read_bytes()).hexdigest()}
+    ]
+    ple = record["ple_table"]
+    assert ple["model"] == str(model) and ple["before"]["table_bytes"] == len(table)
+    assert ple["after"]["resident_fraction"] == 1.0
+    assert ple["before"]["resident_fraction"] <= ple["after"]["resident_fraction"]
+    # No manifest, or one of another schema: the reason, not a traceback.
+    (tmp_path / "other.log.launch.json").write_text('{"schema": "magpie/launch/9"}')
+    assert "magpie/launch/9" in machine.launch_state(str(tmp_path / "other.log"))["reason"]
+    assert "no " in machine.launch_state(str(tmp_path / "none.log"))["reason"]
