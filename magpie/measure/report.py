@@ -439,7 +439,7 @@ def sweep_section(sweep: dict) -> list[str]:
     groups: dict[str, list[tuple[float, float]]] = {}
     ttft: dict[str, list[tuple[float, float]]] = {}
     for row in sweep["summary"]:
-        key = f"{row['config']} c={row['concurrency']}"
+        key = f"{row['config']} c={row['concurrency']}" + (f" depth {row['depth']}" if row.get("depth") else "")
         groups.setdefault(key, []).append((row["input_len"], row["tpot_p50_ms"]))
         ttft.setdefault(key, []).append((row["input_len"], row["ttft_p50_ms"]))
     body.append(line_chart(list(groups.items()), "input length (tokens)", "TPOT p50 (ms)"))
@@ -450,8 +450,11 @@ def sweep_section(sweep: dict) -> list[str]:
         "<th>aggregate tok/s (all requests)</th><th>acceptance L</th></tr>"
     )
     for row in sweep["summary"]:
+        depth = f" (depth {row['depth']})" if row.get("depth") else ""
         body.append(
-            f"<tr><td>{_e(row['config'])}</td><td class=n>{row['input_len']}</td><td class=n>{row['concurrency']}</td>"
+            f"<tr><td>{_e(row['config'] + depth)}</td>"
+            f"<td class=n>{row['input_len']}</td>"
+            f"<td class=n>{row['concurrency']}</td>"
             f"<td class=n>{row['repeats']}</td>"
             f"<td class=n>{_fmt(row['ttft_p50_ms'])} / {_fmt(row['ttft_p99_ms'])}</td>"
             f"<td class=n>{_fmt(row['tpot_p50_ms'], '.2f')} / {_fmt(row['tpot_p99_ms'], '.2f')}</td>"

@@ -532,6 +532,27 @@ def test_sweep_measures_every_point_with_a_prefix_cache_reset_before_each(first_
     assert len(texts) == len(set(texts)) == 2 * 2  # 2 lengths x 2 prompts (repeat 1)
 
 
+def test_sweep_at_context_depths_prefixes_every_prompt_with_the_depth(server, tmp_path):
+    run_dir = tmp_path / "depth"
+    proc = sweep_cmd(
+        run_dir, "--server", f"mtp3={server.url}", "--depths", "0,256", "--input-lens", "64",
+        "--concurrency", "1", "--repeats", "1", "--output-len", "8", "--prompts-per-point", "1", "--min-free", "1GiB",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["grid"]["depths"] == [0, 256] and results["points_complete"] == 2
+    tokens = {}
+    for depth, name in ((0, "in64-c1-r1.json"), (256, "d256-in64-c1-r1.json")):
+        point = json.loads((run_dir / "points" / "mtp3" / name).read_text())
+        assert point["status"] == "complete"
+        tokens[depth] = point["records"][0]["prompt_tokens"]
+    assert abs(tokens[256] - tokens[0] - 256) <= 8, tokens  # the context of 256 tokens before the same input
+    assert {(r["depth"], r["input_len"]) for r in results["summary"]} == {(0, 64), (256, 64)}
+    with open(run_dir / "results.csv", newline="") as f:
+        assert [r["depth"] for r in csv.DictReader(f)] == ["0", "256"]
+    assert re.search(r"^mtp3 +256 +64 +1 +1 ", proc.stdout, re.M), proc.stdout
+
+
 def test_sweep_rerun_skips_finished_runs_and_extends_the_grid(sweep_dir, server):
     points = sorted((sweep_dir / "points").rglob("*.json"))
     stamps = {p: p.stat().st_mtime_ns for p in points}
