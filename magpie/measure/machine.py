@@ -17,6 +17,7 @@ Standard library only. Nothing here raises: a part that cannot be read says why.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -136,6 +137,7 @@ def launch_state(server_log: str | None) -> dict:
         path = os.path.join(series, p["name"]) if series else None
         patches.append({"name": p["name"], "state": p["state"], "sha256": _sha256(path) if path else None})
     overrides = record.get("overrides") or {}
+    ple = overrides.get("PLE") or _ple_from_config(record.get("config"))
     return {
         "manifest": manifest.path_for(server_log),
         "vllm": (record.get("versions") or {}).get("vllm"),
@@ -143,8 +145,27 @@ def launch_state(server_log: str | None) -> dict:
         "series": series,
         "patches": patches,
         "model": record.get("model"),
-        "ple": overrides.get("PLE"),
+        "ple": ple,
     }
+
+
+def _ple_from_config(config) -> str | None:
+    """ "1" when the resolved profile turns the table-on-disk switch on (PLE=1 set by the profile,
+    not by a variable), in any release's spelling (magpie.serving.launch.PLE_SPELLINGS)."""
+    if not isinstance(config, dict):
+        return None
+    from magpie.serving.launch import PLE_SPELLINGS
+
+    for option, values, _patched in PLE_SPELLINGS.values():
+        setting = config.get(option)
+        if isinstance(setting, str):
+            try:
+                setting = json.loads(setting)
+            except ValueError:
+                continue
+        if isinstance(setting, dict) and all(setting.get(k) == v for k, v in values.items()):
+            return "1"
+    return None
 
 
 def ple_resident(model: str | None) -> dict | None:

@@ -383,6 +383,16 @@ def test_machine_state_reads_the_launch_manifest_and_the_ple_tables_residency(tm
     assert ple["model"] == str(model) and ple["before"]["table_bytes"] == len(table)
     assert ple["after"]["resident_fraction"] == 1.0
     assert ple["before"]["resident_fraction"] <= ple["after"]["resident_fraction"]
+    # PLE=1 from the profile (no PLE variable): the resolved config's switch says so.
+    manifest_path = tmp_path / "server.log.launch.json"
+    record = json.loads(manifest_path.read_text())
+    record["overrides"] = {"MTP": "3"}
+    record["config"] = {"hf-overrides": {"ple_mmap": True}}
+    manifest_path.write_text(json.dumps(record))
+    assert machine.launch_state(str(log))["ple"] == "1"
+    record["config"] = {"hf-overrides": {"ple_mmap": False}}
+    manifest_path.write_text(json.dumps(record))
+    assert machine.launch_state(str(log))["ple"] is None
     # No manifest, or one of another schema: the reason, not a traceback.
     (tmp_path / "other.log.launch.json").write_text('{"schema": "magpie/launch/9"}')
     assert "magpie/launch/9" in machine.launch_state(str(tmp_path / "other.log"))["reason"]
