@@ -6,6 +6,8 @@
 #   WORKDIR   where the demo builds and measures (default: .cache/demo/<date-time>; must be new)
 #   VENV      the pinned test environment (default: .venv; tests/env/setup.sh creates it)
 #   REPORT    where the HTML report goes (default: WORKDIR/flash-next-report.html)
+#   REPEATS   bench runs per concurrency (default: 1, the CI time of tests that run the demo;
+#             3 gives each figure a range and the side-by-side table says what is within noise)
 #
 # Steps: set up the pinned vLLM 0.29.0 (CPU build); apply the patch series into an overlay (the
 # venv itself stays stock); build a tiny Qwen3.5 + MTP model and tokenizer locally; then, each
@@ -37,6 +39,7 @@ fi
 mkdir -p "$workdir"
 workdir=$(cd "$workdir" && pwd) # absolute: serve.sh wants the keep-set by absolute path
 report=${REPORT:-$workdir/flash-next-report.html}
+repeats=${REPEATS:-1}
 
 say "1. The pinned environment (vLLM 0.29.0, CPU build) in $venv"
 VENV=$venv "$root/tests/env/setup.sh"
@@ -101,7 +104,7 @@ measure() {
   done
   echo "ready after ${waited} s"
   URL="http://127.0.0.1:$port" LABEL="$label" SERVER_LOG="$log" EXPECT="$expect" N_C1=4 N_C4=16 MAX_TOKENS=256 \
-    BENCH_ARGS=--ignore-eos GSM8K="$root/tests/serving/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
+    REPEATS="$repeats" BENCH_ARGS=--ignore-eos GSM8K="$root/tests/serving/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
     PYTHON="$python" "$root/magpie/measure/run_suite.sh" "$workdir/results/$name"
   if [ ${#profile_args[@]} -gt 0 ]; then
     say "profile: decode c=1, prefill, decode c=4 (torch profiler), split per engine step"

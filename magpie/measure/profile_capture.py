@@ -29,7 +29,7 @@ import threading
 import time
 
 from magpie import cli, files
-from magpie.measure import trace_split
+from magpie.measure import common, trace_split
 from magpie.serving import client
 
 WINDOWS = ("decode-c1", "prefill", "decode-c4")
@@ -227,12 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--trace-dir {args.trace_dir}: no such folder")
     if os.path.exists(args.out) and os.listdir(args.out):
         parser.error(f"--out {args.out} exists and is not empty; choose a new folder")
-    os.makedirs(args.out, exist_ok=True)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file; choose a new folder")
+    common.check_writable(os.path.join(args.out, files.PROFILE_CAPTURE), "--out")
+    if not args.url.startswith(("http://", "https://")):
+        parser.error(f"--url {args.url}: give the scheme, e.g. http://{args.url}")
     base = args.url.rstrip("/")
+    # The server first: a dead one leaves no folder behind.
     if not client.server_alive(base):
         print(f"error: no healthy vLLM server at {base}", file=sys.stderr)
         return 2
-    listed = client.first_model(base)
+    listed = common.model_entry(base)
+    os.makedirs(args.out, exist_ok=True)
     model = args.model or listed["id"]
     max_len = listed.get("max_model_len")
     if max_len:

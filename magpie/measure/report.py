@@ -26,6 +26,7 @@ import os
 import sys
 
 from magpie import cli, files
+from magpie.measure import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SEED = os.path.normpath(os.path.join(HERE, "..", "..", "docs", "data", "flash-next-seed-gb10.json"))
@@ -36,20 +37,51 @@ COLORS = ["#3b6ea8", "#e08a2e", "#4f9d69", "#b0485b", "#7c5ea8", "#8a8a8a"]
 # Reading result folders
 
 
-def _load(path: str):
+# The result formats this report reads: name -> the newest version it knows (older ones are read).
+KNOWN_SCHEMAS = {"bench-decode": 4, "gsm8k": 1, "log-check": 1}
+
+
+def _load(path: str, kind: str | None = None):
+    """A result file's JSON object (None when absent); one line and exit 1 when it cannot be read,
+    is not a JSON object, or is of another tool or a newer version of its schema than this report
+    knows (its fields could mean something else)."""
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise SystemExit(f"error: {path} is a folder, not a result file") from None
+    except OSError as e:
+        raise SystemExit(f"error: {path} cannot be read ({e.strerror}); check its permissions") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {path} is not JSON ({e}); rerun the tool that wrote it") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"error: {path} holds a JSON {type(data).__name__}, not a result object")
+    if kind is not None:
+        found = files.schema_of(data.get("schema"))
+        newest = KNOWN_SCHEMAS[kind]
+        if found is None or found[0] != kind or found[1] > newest:
+            raise SystemExit(
+                f"error: {path}: schema {data.get('schema')!r} is not one this report reads "
+                f"({files.schema(kind, newest)} or older); use a magpie that knows it, or rerun the tool"
+            )
+    return data
+
+
+def partial_benches(benches: dict[str, dict | None]) -> list[str]:
+    """ "c=1 server-died", ...: the benches that did not run to the end."""
+    return [f"{name} {b.get('status')}" for name, b in benches.items() if b and b.get("status") != "complete"]
 
 
 def load_run(folder: str) -> dict:
+    if not os.path.isdir(folder):
+        raise SystemExit(f"error: {folder} is not a folder; give a result folder (what run_suite.sh writes)")
     suite = _load(os.path.join(folder, files.SUITE)) or {}
-    bench1 = _load(os.path.join(folder, files.BENCH_C1))
-    bench4 = _load(os.path.join(folder, files.BENCH_C4))
-    gsm8k = _load(os.path.join(folder, files.GSM8K))
-    log_check = _load(os.path.join(folder, files.LOG_CHECK))
+    bench1 = _load(os.path.join(folder, files.BENCH_C1), "bench-decode")
+    bench4 = _load(os.path.join(folder, files.BENCH_C4), "bench-decode")
+    gsm8k = _load(os.path.join(folder, files.GSM8K), "gsm8k")
+    log_check = _load(os.path.join(folder, files.LOG_CHECK), "log-check")
     if not any((bench1, bench4, gsm8k, log_check)):
         names = ", ".join((files.BENCH_C1, files.BENCH_C4, files.GSM8K, files.LOG_CHECK))
         raise SystemExit(f"error: {folder} holds no result file ({names})")
@@ -60,9 +92,13 @@ def load_run(folder: str) -> dict:
             splits[os.path.basename(os.path.dirname(path))] = traces[0]
     label = suite.get("label") or (bench1 or bench4 or gsm8k or {}).get("label") or os.path.basename(folder.rstrip("/"))
     spec = (bench1 or {}).get("summary", {}).get("spec_decode") if bench1 else None
+    partial = partial_benches({"c=1": bench1, "c=4": bench4})
+    if partial:  # a run cut short is never drawn as a complete one
+        label = f"{label} [partial: {', '.join(partial)}]"
     return {
         "folder": folder,
         "label": label,
+        "partial": partial,
         "suite": suite,
         "bench_c1": bench1,
         "bench_c4": bench4,
@@ -164,6 +200,17 @@ def summary_text(run: dict) -> str:
             f"TPOT p50 {_fmt((s.get('tpot_ms') or {}).get('p50'), '.2f')} ms, "
             f"ITL p50 {_fmt((s.get('itl_ms') or {}).get('p50'), '.2f')} ms"
         )
+        for metric, figures in (s.get("percentiles_ms") or {}).items():
+            if figures:
+                chosen = "  ".join(f"{k} {v:.2f}" for k, v in figures.items())
+                lines.append(f"           {metric.upper()} ms: {chosen}")
+        good = s.get("goodput")
+        if good:
+            slos = ", ".join(f"{k} <= {v:g} ms" for k, v in good["slo_ms"].items())
+            lines.append(
+                f"           goodput {_fmt(good['request_per_s'], '.3f')} req/s "
+                f"({good['good_requests']}/{good['requests']} met {slos})"
+            )
         spec = s["spec_decode"]
         if spec:
             positions = " ".join(f"{x:.2f}" for x in spec["per_position_acceptance"] or [])
@@ -194,10 +241,21 @@ def summary_text(run: dict) -> str:
     return "\n".join(lines)
 
 
+def decode_spread(run: dict) -> dict | None:
+    """The c=1 bench's engine decode tok/s over its repeats (bench-decode/4 with --repeats)."""
+    return ((_get(run["bench_c1"], "summary", "spread") or {}).get("engine_decode_tok_per_s")) or None
+
+
+def versus_first(first: dict, run: dict) -> str:
+    """ "within noise" when the two runs' repeat ranges overlap, else the change of the medians."""
+    return common.compare(decode_spread(first), decode_spread(run))
+
+
 def compare_text(runs: list[dict]) -> str:
     header = [
         "configuration",
         "c=1 decode tok/s per request",
+        "c=1 decode vs first (repeats)",
         "c=4 aggregate tok/s, all requests",
         "accept. L",
         "accept. rate",
@@ -210,6 +268,7 @@ def compare_text(runs: list[dict]) -> str:
             [
                 run["label"],
                 _fmt(run["c1_decode_tok_s"]),
+                "(reference)" if run is runs[0] else versus_first(runs[0], run),
                 _fmt(run["c4_aggregate_tok_s"]),
                 _fmt(run["acceptance_length"], ".2f"),
                 _fmt(run["acceptance_rate"], ".3f"),
@@ -223,7 +282,8 @@ def compare_text(runs: list[dict]) -> str:
     out += ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     out.append(
         "c=1 decode: one request at a time, its tokens after the first over its decode time (the engine's "
-        "timestamps); c=4 aggregate: four requests in flight, all output tokens over the run's wall time."
+        "timestamps); c=4 aggregate: four requests in flight, all output tokens over the run's wall time; "
+        "vs first: 'within noise' when the repeats' min..max ranges overlap (run_suite.sh REPEATS=3)."
     )
     if any(run["counting_model"] and run["gsm8k_accuracy"] is not None for run in runs):
         out.append(COUNTING_MODEL_NOTE)
@@ -350,7 +410,7 @@ def line_chart(lines: list[tuple[str, list[tuple[float, float]]]], x_label: str,
     return "".join(parts)
 
 
-SWEEP_VERSIONS = (2, 1)
+SWEEP_VERSIONS = (3, 2, 1)
 
 
 def load_sweep(folder: str) -> dict:
@@ -379,7 +439,7 @@ def sweep_section(sweep: dict) -> list[str]:
     groups: dict[str, list[tuple[float, float]]] = {}
     ttft: dict[str, list[tuple[float, float]]] = {}
     for row in sweep["summary"]:
-        key = f"{row['config']} c={row['concurrency']}"
+        key = f"{row['config']} c={row['concurrency']}" + (f" depth {row['depth']}" if row.get("depth") else "")
         groups.setdefault(key, []).append((row["input_len"], row["tpot_p50_ms"]))
         ttft.setdefault(key, []).append((row["input_len"], row["ttft_p50_ms"]))
     body.append(line_chart(list(groups.items()), "input length (tokens)", "TPOT p50 (ms)"))
@@ -390,8 +450,11 @@ def sweep_section(sweep: dict) -> list[str]:
         "<th>aggregate tok/s (all requests)</th><th>acceptance L</th></tr>"
     )
     for row in sweep["summary"]:
+        depth = f" (depth {row['depth']})" if row.get("depth") else ""
         body.append(
-            f"<tr><td>{_e(row['config'])}</td><td class=n>{row['input_len']}</td><td class=n>{row['concurrency']}</td>"
+            f"<tr><td>{_e(row['config'] + depth)}</td>"
+            f"<td class=n>{row['input_len']}</td>"
+            f"<td class=n>{row['concurrency']}</td>"
             f"<td class=n>{row['repeats']}</td>"
             f"<td class=n>{_fmt(row['ttft_p50_ms'])} / {_fmt(row['ttft_p99_ms'])}</td>"
             f"<td class=n>{_fmt(row['tpot_p50_ms'], '.2f')} / {_fmt(row['tpot_p99_ms'], '.2f')}</td>"

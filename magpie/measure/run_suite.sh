@@ -13,6 +13,8 @@
 #   EXPECT=                     space-separated FEATURE=STATE the log must show, e.g. "mtp=3 draft_head=pruned"
 #   N_C1=8  N_C4=16             measured requests at concurrency 1 and 4
 #   MAX_TOKENS=256              max_tokens of the bench requests
+#   REPEATS=1                   bench runs per concurrency: each figure's median/min/max, and
+#                               `report --compare` says "within noise" when ranges overlap
 #   BENCH_ARGS=                 more bench_decode.py arguments (e.g. "--ignore-eos --prompts FILE")
 #   GSM8K=                      GSM8K-format JSONL/parquet; empty: the GSM8K step is skipped (and says so)
 #   GSM8K_LIMIT=                only the first N problems
@@ -38,6 +40,7 @@ EXPECT=${EXPECT:-}
 N_C1=${N_C1:-8}
 N_C4=${N_C4:-16}
 MAX_TOKENS=${MAX_TOKENS:-256}
+REPEATS=${REPEATS:-1}
 BENCH_ARGS=${BENCH_ARGS:-}
 GSM8K=${GSM8K:-}
 GSM8K_LIMIT=${GSM8K_LIMIT:-}
@@ -72,6 +75,9 @@ save_metrics() {
 }
 
 read -r -a bench_args <<<"$BENCH_ARGS"
+# The launch manifest beside serve.sh's LOG stamps vLLM and the patch states on every bench result.
+if [ -n "$SERVER_LOG" ]; then bench_args+=(--server-log "$SERVER_LOG"); fi
+bench_args+=(--repeats "$REPEATS")
 read -r -a gsm8k_args <<<"$GSM8K_ARGS"
 [ -n "$GSM8K_LIMIT" ] && gsm8k_args+=(--limit "$GSM8K_LIMIT")
 

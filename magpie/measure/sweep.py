@@ -34,9 +34,13 @@ are all done is not launched at all. A rerun may name fewer or more configuratio
 concurrencies or repeats: RUN_DIR/sweep.json keeps the union, and the results cover every run
 the folder holds. A rerun with another output length, prompt style, seed or prompts per point
 is refused (its runs would not be comparable). RUN_DIR/results.json (schema
-"magpie/sweep/2": a summary row per configuration x input length x concurrency, pooled over
-repeats, then every run), results.csv (the summary rows) and points.csv (one row per run) are
-rewritten after every run. `report.py --sweep RUN_DIR` draws it. Decode tok/s is the engine's
+"magpie/sweep/3": a summary row per configuration x input length x concurrency, pooled over
+repeats, each figure's median / min / max over the repeats, then every run), results.csv (the
+summary rows), metrics.csv (one row per point and per figure: median, min, max over the
+repeats) and points.csv (one row per run) are rewritten after every run. The table compares
+each configuration's decode tok/s with the first configuration's and says "within noise" when
+the repeats' ranges overlap. `--percentile-metrics`, `--metric-percentiles` and `--goodput` are
+bench-decode's (`vllm bench serve`'s spelling). `report.py --sweep RUN_DIR` draws it. Decode tok/s is the engine's
 (vllm:request_decode_time_seconds, pooled over a point's runs), never a client-side rate: see
 bench_decode.py.
 
@@ -64,11 +68,11 @@ import urllib.error
 import urllib.request
 
 from magpie import cli, files
-from magpie.measure import bench_decode
+from magpie.measure import bench_decode, common
 from magpie.serving import client
 from magpie.serving.process import ServerDied, ServeShServer
 
-SCHEMA = files.schema("sweep", 2)
+SCHEMA = files.schema("sweep", 3)
 PLAN_SCHEMA = files.schema("sweep-plan", 1)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_ALIASES = {"mtp": "MTP", "draft_vocab": "DRAFT_VOCAB_PATH"}
@@ -86,6 +90,7 @@ LATENCY_FIELDS = [
 ]
 SUMMARY_FIELDS = [
     "config",
+    "depth",
     "input_len",
     "concurrency",
     "repeats",
@@ -101,6 +106,7 @@ SUMMARY_FIELDS = [
 ]
 POINT_FIELDS = [
     "config",
+    "depth",
     "input_len",
     "concurrency",
     "repeat",
@@ -126,6 +132,19 @@ def int_list(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 4096,16384")
     return values
+
+
+def depth_list(text: str) -> list[int]:
+    """`--depths 0,16k,32k` -> [0, 16384, 32768] (k = 1024 tokens, as llama-benchy's d16k)."""
+    values = []
+    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
+        try:
+            values.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not a token count (e.g. 0,16k,32768)") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give token counts >= 0, e.g. 0,16k,32k")
+    return sorted(set(values))
 
 
 def parse_config(text: str) -> dict:
@@ -247,8 +266,10 @@ def memory_gate(min_free: int, wait_s: float) -> tuple[bool, int]:
 # Results
 
 
-def point_path(run_dir: str, config: str, input_len: int, concurrency: int, repeat: int) -> str:
-    return os.path.join(run_dir, "points", config, f"in{input_len}-c{concurrency}-r{repeat}.json")
+def point_path(run_dir: str, config: str, input_len: int, concurrency: int, repeat: int, depth: int = 0) -> str:
+    """A run's file; at a context depth (--depths) its name starts d<DEPTH>-."""
+    prefix = f"d{depth}-" if depth else ""
+    return os.path.join(run_dir, "points", config, f"{prefix}in{input_len}-c{concurrency}-r{repeat}.json")
 
 
 def point_done(path: str) -> bool:
@@ -273,10 +294,13 @@ def latency_figures(summary: dict, records: list[dict]) -> dict:
     return figures
 
 
-def point_row(config: str, input_len: int, concurrency: int, repeat: int, result: dict, path: str) -> dict:
+def point_row(
+    config: str, input_len: int, concurrency: int, repeat: int, result: dict, path: str, depth: int = 0
+) -> dict:
     s = result["summary"]
     return {
         "config": config,
+        "depth": depth,
         "input_len": input_len,
         "concurrency": concurrency,
         "repeat": repeat,
@@ -305,10 +329,50 @@ def pooled_engine_decode(results: list[dict]) -> float | None:
     return tokens / seconds if seconds else None
 
 
-def summary_row(config: str, input_len: int, concurrency: int, results: list[dict]) -> dict:
-    """One configuration x length x concurrency: percentiles over the requests of all repeats."""
+# The figures of a point whose spread over the repeats is kept (median / min / max / n), and the
+# one the comparison between configurations reads.
+SPREAD_FIGURES = (
+    "engine_decode_tok_s",
+    "aggregate_tok_s",
+    "ttft_p50_ms",
+    "tpot_p50_ms",
+    "itl_p50_ms",
+    "e2el_p50_ms",
+    "acceptance_length",
+    "goodput_req_s",
+)
+COMPARED_FIGURE = "engine_decode_tok_s"
+METRICS_CSV = "metrics.csv"  # one row per point and per figure
+METRICS_FIELDS = ["config", "depth", "input_len", "concurrency", "figure", "median", "min", "max", "n"]
+
+
+def run_figures(result: dict, slos: dict[str, float]) -> dict:
+    """SPREAD_FIGURES of one run."""
+    s = result["summary"]
+    good = common.goodput(result["records"], slos, s["duration_s"]) if slos else None
+    return {
+        "engine_decode_tok_s": s.get("engine_decode_tok_per_s"),
+        "aggregate_tok_s": s.get("aggregate_output_tok_per_s"),
+        **{f"{m}_p50_ms": _pct(s.get(f"{m}_ms"), "p50") for m in ("ttft", "tpot", "itl", "e2el")},
+        "acceptance_length": (s.get("spec_decode") or {}).get("acceptance_length"),
+        "goodput_req_s": (good or {}).get("request_per_s"),
+    }
+
+
+def summary_row(
+    config: str, input_len: int, concurrency: int, results: list[dict], plan: dict | None = None, depth: int = 0
+) -> dict:
+    """One configuration x length x concurrency: percentiles over the requests of all repeats,
+    and each figure's spread over the repeats."""
+    plan = plan or {}
+    metrics = plan.get("percentile_metrics")
+    qs = plan.get("metric_percentiles")
+    slos = plan.get("goodput_slo_ms") or {}
     records = [r for res in results for r in res["records"] if r["ok"]]
-    summary = bench_decode.summarize([r for res in results for r in res["records"]], None, None, None)  # pooled
+    pooled = [r for res in results for r in res["records"]]
+    summary = bench_decode.summarize(pooled, None, None, None, metrics, qs)  # pooled over the repeats
+    per_run = [run_figures(res, slos) for res in results]
+    spreads = {name: common.spread([f[name] for f in per_run]) for name in SPREAD_FIGURES}
     aggregates = sorted(x["summary"]["aggregate_output_tok_per_s"] for x in results)
     accepted = drafts = 0.0
     for res in results:
@@ -318,6 +382,7 @@ def summary_row(config: str, input_len: int, concurrency: int, results: list[dic
             drafts += spec["drafts"]
     return {
         "config": config,
+        "depth": depth,
         "input_len": input_len,
         "concurrency": concurrency,
         "repeats": len(results),
@@ -330,7 +395,57 @@ def summary_row(config: str, input_len: int, concurrency: int, results: list[dic
         "aggregate_tok_s_min": aggregates[0] if aggregates else None,
         "aggregate_tok_s_max": aggregates[-1] if aggregates else None,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "percentiles_ms": summary["percentiles_ms"],
+        "goodput": {
+            "slo_ms": slos,
+            "good_requests": sum(common.goodput(res["records"], slos, None)["good_requests"] for res in results),
+            "requests": len(pooled),
+            "request_per_s": spreads["goodput_req_s"],
+        }
+        if slos
+        else None,
+        "spread": spreads,
     }
+
+
+def metric_rows(summaries: list[dict]) -> list[dict]:
+    """metrics.csv: one row per point (configuration x length x concurrency) and per figure, the
+    figure's median / min / max over the repeats, and the pooled percentiles of the latencies."""
+    rows = []
+    for row in summaries:
+        where = {k: row.get(k, 0) for k in ("config", "depth", "input_len", "concurrency")}
+        for name, figures in row["spread"].items():
+            if figures:
+                rows.append(dict(where, figure=name, **figures))
+        for metric, figures in (row.get("percentiles_ms") or {}).items():
+            for key, value in (figures or {}).items():
+                rows.append(dict(where, figure=f"{metric}_{key}_ms_pooled", median=value, n=row["requests"]))
+    return rows
+
+
+def _where(row: dict) -> tuple:
+    return (row["config"], row.get("depth", 0), row["input_len"], row["concurrency"])
+
+
+def compare_to_first(document: dict) -> dict[tuple, str]:
+    """(config, input_len, concurrency) -> how its COMPARED_FIGURE stands against the first
+    configuration's at the same length and concurrency ("within noise" when the repeats' ranges
+    overlap)."""
+    rows = document["summary"]
+    if not rows:
+        return {}
+    first = document["configs"][0]["name"] if document.get("configs") else rows[0]["config"]
+    base = {_where(r)[1:]: r for r in rows if r["config"] == first}
+    out = {}
+    for r in rows:
+        ref = base.get(_where(r)[1:])
+        if r["config"] == first or ref is None:
+            out[_where(r)] = "(reference)" if r["config"] == first else "-"
+            continue
+        out[_where(r)] = common.compare(
+            (ref.get("spread") or {}).get(COMPARED_FIGURE), (r.get("spread") or {}).get(COMPARED_FIGURE)
+        )
+    return out
 
 
 def _csv(rows: list[dict], fields: list[str]) -> str:
@@ -345,23 +460,29 @@ def _csv(rows: list[dict], fields: list[str]) -> str:
 def write_results(run_dir: str, plan: dict) -> dict:
     """Rebuild results.json / results.csv / points.csv from the point files on disk."""
     points, summaries = [], []
+    depths = plan.get("depths") or [0]
     for config in plan["configs"]:
-        for input_len in plan["input_lens"]:
+        for depth, input_len in ((d, n) for d in depths for n in plan["input_lens"]):
             for concurrency in plan["concurrency"]:
                 done = []
                 for repeat in range(1, plan["repeats"] + 1):
-                    path = point_path(run_dir, config["name"], input_len, concurrency, repeat)
+                    path = point_path(run_dir, config["name"], input_len, concurrency, repeat, depth)
                     if not os.path.exists(path):
                         continue
-                    with open(path) as f:
-                        result = json.load(f)
+                    try:
+                        with open(path) as f:
+                            result = json.load(f)
+                        result["summary"]["requests"]
+                    except (OSError, ValueError, KeyError, TypeError):
+                        continue  # unreadable (cut short by a full disk, say): not done, so run again
                     relative = os.path.relpath(path, run_dir)
-                    points.append(point_row(config["name"], input_len, concurrency, repeat, result, relative))
+                    points.append(point_row(config["name"], input_len, concurrency, repeat, result, relative, depth))
                     if result["status"] == "complete":
                         done.append(result)
                 if done:
-                    summaries.append(summary_row(config["name"], input_len, concurrency, done))
-    expected = len(plan["configs"]) * len(plan["input_lens"]) * len(plan["concurrency"]) * plan["repeats"]
+                    summaries.append(summary_row(config["name"], input_len, concurrency, done, plan, depth))
+    expected = len(plan["configs"]) * len(depths) * len(plan["input_lens"]) * len(plan["concurrency"])
+    expected *= plan["repeats"]
     finished = sum(p["status"] == "complete" for p in points)
     document = {
         "schema": SCHEMA,
@@ -371,7 +492,7 @@ def write_results(run_dir: str, plan: dict) -> dict:
         "points_expected": expected,
         "points_complete": finished,
         "settings": {k: plan[k] for k in ("output_len", "prompt_style", "seed", "prompts_per_point")},
-        "grid": {k: plan[k] for k in ("input_lens", "concurrency", "repeats")},
+        "grid": {"depths": depths, **{k: plan[k] for k in ("input_lens", "concurrency", "repeats")}},
         "configs": plan["configs"],
         "host": plan["host"],
         "summary": summaries,
@@ -380,6 +501,7 @@ def write_results(run_dir: str, plan: dict) -> dict:
     files.atomic_write_json(os.path.join(run_dir, files.SWEEP_RESULTS), document)
     files.atomic_write_text(os.path.join(run_dir, files.SWEEP_RESULTS_CSV), _csv(summaries, SUMMARY_FIELDS))
     files.atomic_write_text(os.path.join(run_dir, files.SWEEP_POINTS_CSV), _csv(points, POINT_FIELDS))
+    files.atomic_write_text(os.path.join(run_dir, METRICS_CSV), _csv(metric_rows(summaries), METRICS_FIELDS))
     return document
 
 
@@ -391,21 +513,26 @@ def print_summary(document: dict, out=sys.stdout) -> None:
         f"sweep: {document['points_complete']}/{document['points_expected']} runs complete ({document['status']})",
         file=out,
     )
-    header = f"{'config':<14}{'input':>8}{'c':>4}{'rep':>4}  {'TTFT p50/p99 ms':>18}  {'TPOT p50/p99 ms':>16}"
-    header += f"  {'ITL p50/p99 ms':>16}  {'decode tok/s':>12}  {'agg tok/s':>9}  {'L':>5}"
+    header = f"{'config':<14}{'depth':>7}{'input':>8}{'c':>4}{'rep':>4}"
+    header += f"  {'TTFT p50/p99 ms':>18}  {'TPOT p50/p99 ms':>16}"
+    header += f"  {'ITL p50/p99 ms':>16}  {'decode tok/s':>12}  {'agg tok/s':>9}  {'L':>5}  decode vs first"
     print(header, file=out)
+    versus = compare_to_first(document)
     for row in document["summary"]:
         print(
-            f"{row['config']:<14}{row['input_len']:>8}{row['concurrency']:>4}{row['repeats']:>4}  "
+            f"{row['config']:<14}{row.get('depth', 0):>7}{row['input_len']:>8}{row['concurrency']:>4}"
+            f"{row['repeats']:>4}  "
             f"{f(row['ttft_p50_ms']):>8} / {f(row['ttft_p99_ms']):<7}  {f(row['tpot_p50_ms'], '.2f'):>7} / "
             f"{f(row['tpot_p99_ms'], '.2f'):<6}  {f(row['itl_p50_ms'], '.2f'):>7} / {f(row['itl_p99_ms'], '.2f'):<6}  "
             f"{f(row['engine_decode_tok_s']):>12}  {f(row['aggregate_tok_s_median']):>9}  "
-            f"{f(row['acceptance_length'], '.2f'):>5}",
+            f"{f(row['acceptance_length'], '.2f'):>5}  "
+            f"{versus.get(_where(row), '-')}",
             file=out,
         )
     print(
         "decode tok/s: per request, from the engine's timestamps; agg tok/s: all requests' output tokens over "
-        "the run's wall time (median of the repeats); L: MTP acceptance length",
+        "the run's wall time (median of the repeats); L: MTP acceptance length; decode vs first: the "
+        "median's change against the first configuration, 'within noise' when the repeats' ranges overlap",
         file=out,
     )
 
@@ -461,14 +588,23 @@ def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
         "schema": PLAN_SCHEMA,
         **settings,
         "input_lens": args.input_lens,
+        "depths": args.depths,
         "concurrency": args.concurrency,
         "repeats": args.repeats,
+        "percentile_metrics": args.percentile_metrics,
+        "metric_percentiles": args.metric_percentiles,
+        "goodput_slo_ms": args.goodput_slo_ms,
         "configs": configs,
         "host": {"name": os.uname().nodename, "machine": os.uname().machine, "cpus": os.cpu_count()},
     }
     if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as e:
+            raise common.Refusal(f"{path} cannot be read ({e}); use a new RUN_DIR or restore the file") from None
+        if not isinstance(old, dict):
+            raise common.Refusal(f"{path} is not a sweep plan (a JSON object); use a new RUN_DIR")
         changed = [k for k in FIXED_SETTINGS if old.get(k) != settings[k]]
         if changed:
             raise SystemExit(
@@ -480,6 +616,7 @@ def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
         ours = {c["name"] for c in configs}
         plan["configs"] = [c for c in old.get("configs", []) if c["name"] not in ours] + configs
         plan["input_lens"] = sorted(set(old.get("input_lens", [])) | set(args.input_lens))
+        plan["depths"] = sorted(set(old.get("depths", [0])) | set(args.depths))
         plan["concurrency"] = sorted(set(old.get("concurrency", [])) | set(args.concurrency))
         plan["repeats"] = max(old.get("repeats", 0), args.repeats)
     else:
@@ -488,17 +625,42 @@ def load_plan(run_dir: str, args, configs: list[dict]) -> dict:
     return plan
 
 
-def run_point(base: str, model: str, args, run_dir: str, config: str, input_len: int, concurrency: int, repeat: int):
-    """One bench run; returns bench_decode's exit status."""
+def make_context(base: str, model: str, depth: int, seed: int) -> str:
+    """About `depth` tokens of the bench's text: the context every request of a run at that depth
+    starts with (llama-benchy's d16k), the same for all of them so the prefix cache can hold it."""
+    corpus = _tokenize(base, model, "\n\n".join(bench_decode.BUILTIN_PROMPTS))
+    start = random.Random(f"{seed}-context-{depth}").randrange(len(corpus))
+    return _detokenize(base, model, [corpus[(start + i) % len(corpus)] for i in range(depth)]) + "\n\n"
+
+
+def run_point(
+    base: str, model: str, args, run_dir: str, config: str, input_len: int, concurrency: int, repeat: int, depth=0
+):
+    """One bench run; returns bench_decode's exit status. At a depth, every prompt is the run's
+    context of `depth` tokens, then its own `input_len` tokens; after the prefix-cache reset one
+    unmeasured request of the context alone fills the cache, so with prefix caching on TTFT is the
+    prefill of `input_len` tokens at that depth, and TPOT / ITL / decode tok/s are decode at
+    depth + input length."""
     count = max(args.prompts_per_point, concurrency)
-    prompt_file = os.path.join(run_dir, "prompts", f"{args.prompt_style}-in{input_len}-r{repeat}-n{count}.jsonl")
+    at = f"d{depth}-" if depth else ""
+    prompt_file = os.path.join(run_dir, "prompts", f"{args.prompt_style}-{at}in{input_len}-r{repeat}-n{count}.jsonl")
+    context = ""
+    if depth:
+        context = make_context(base, model, depth, args.seed * 1000 + repeat)
     if not os.path.exists(prompt_file):
         prompts = make_prompts(base, model, args.prompt_style, input_len, count, args.seed * 1000 + repeat)
         os.makedirs(os.path.dirname(prompt_file), exist_ok=True)
-        files.atomic_write_text(prompt_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        files.atomic_write_text(prompt_file, "".join(json.dumps({"prompt": context + p}) + "\n" for p in prompts))
     if args.reset_prefix_cache:
         reset_prefix_cache(base)
-    path = point_path(run_dir, config, input_len, concurrency, repeat)
+    if depth:  # the context into the prefix cache (unmeasured)
+        fill = bench_decode.request_body(
+            argparse.Namespace(max_tokens=1, temperature=0.0, thinking=False, ignore_eos=True),
+            model,
+            [{"role": "user", "content": context}],
+        )
+        client.stream_chat(base, fill, args.timeout)
+    path = point_path(run_dir, config, input_len, concurrency, repeat, depth)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     bench_args = [
         "--url", base,
@@ -510,10 +672,14 @@ def run_point(base: str, model: str, args, run_dir: str, config: str, input_len:
         "--ignore-eos",
         "--prompts", prompt_file,
         "--timeout", str(args.timeout),
-        "--label", f"{config} in={input_len} c={concurrency} r={repeat}",
+        "--label", f"{config} {at}in={input_len} c={concurrency} r={repeat}",
         "--output", path,
         "--force",
+        "--percentile-metrics", ",".join(args.percentile_metrics),
+        "--metric-percentiles", ",".join(f"{q:g}" for q in args.metric_percentiles),
     ]  # fmt: skip
+    if args.goodput:
+        bench_args += ["--goodput", *args.goodput]
     return bench_decode.main(bench_args)
 
 
@@ -529,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a `vllm serve` argument for every launched server (repeatable)")  # fmt: skip
     parser.add_argument("--input-lens", type=int_list, default="4096,16384,65536,131072",
                         help="prompt lengths in tokens")  # fmt: skip
+    parser.add_argument("--depths", type=depth_list, default="0",
+                        help="context tokens before each prompt, e.g. 0,16k,32k (default: %(default)s)")  # fmt: skip
     parser.add_argument("--concurrency", type=int_list, default="1,4", help="requests in flight")
     parser.add_argument("--repeats", type=int, default=3, help="runs per point (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=256, help="tokens per request (default: %(default)s)")
@@ -545,7 +713,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=1800,
                         help="seconds for a launched server to become healthy (default: %(default)s)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900, help="seconds per request (default: %(default)s)")
+    parser.add_argument("--percentile-metrics", default=common.DEFAULT_PERCENTILE_METRICS,
+                        help="metrics whose percentiles are reported (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--metric-percentiles", default=common.DEFAULT_METRIC_PERCENTILES,
+                        help="percentiles reported (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                        help="SLOs for goodput, KEY one of ttft, tpot, e2el (default: none)")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        args.percentile_metrics = common.parse_percentile_metrics(args.percentile_metrics)
+        args.metric_percentiles = common.parse_metric_percentiles(args.metric_percentiles)
+        args.goodput_slo_ms = common.parse_goodput(args.goodput)
+    except ValueError as e:
+        parser.error(str(e))
     configs = args.config + args.server
     if not configs:
         parser.error("give at least one --config or --server")
@@ -571,10 +751,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_sweep(args, configs: list[dict]) -> int:
+    if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):
+        raise common.Refusal(f"RUN_DIR {args.run_dir} is a file; give a folder (created, or an earlier run's)")
+    common.check_writable(os.path.join(args.run_dir, files.SWEEP_PLAN), "RUN_DIR")
     os.makedirs(args.run_dir, exist_ok=True)
     run_dir = os.path.abspath(args.run_dir)
     plan = load_plan(run_dir, args, configs)
-    grid = [(n, c, r) for n in args.input_lens for c in args.concurrency for r in range(1, args.repeats + 1)]
+    grid = [
+        (n, c, r, d)
+        for d in args.depths
+        for n in args.input_lens
+        for c in args.concurrency
+        for r in range(1, args.repeats + 1)
+    ]
     status = 0
     for config in configs:
         todo = [p for p in grid if not point_done(point_path(run_dir, config["name"], *p))]
@@ -600,7 +789,7 @@ def run_sweep(args, configs: list[dict]) -> int:
                 if not client.server_alive(base):
                     say(f"error: {config['name']}: no healthy server at {base}")
                     return 3
-            listed = client.first_model(base)
+            listed = common.model_entry(base)
             model, max_len = listed["id"], listed.get("max_model_len")
             # One unmeasured request first: the first request after a start pays one-time costs.
             warm = bench_decode.request_body(
@@ -609,10 +798,15 @@ def run_sweep(args, configs: list[dict]) -> int:
                 [{"role": "user", "content": "warm-up"}],
             )
             client.stream_chat(base, warm, args.timeout)
-            for number, (input_len, concurrency, repeat) in enumerate(todo, 1):
-                where = f"{config['name']} in={input_len} c={concurrency} r={repeat}"
-                if max_len and input_len + args.output_len > max_len:
-                    say(f"sweep: {where}: skipped, {input_len} + {args.output_len} > max_model_len {max_len}")
+            for number, (input_len, concurrency, repeat, depth) in enumerate(todo, 1):
+                at = f"d={depth} " if depth else ""
+                where = f"{config['name']} {at}in={input_len} c={concurrency} r={repeat}"
+                if max_len and depth + input_len + args.output_len > max_len:
+                    depth_plus = f"{depth} + " if depth else ""
+                    say(
+                        f"sweep: {where}: skipped, {depth_plus}{input_len} + {args.output_len} "
+                        f"> max_model_len {max_len}"
+                    )
                     status = max(status, 1)
                     continue
                 passed, free = memory_gate(args.min_free, args.gate_wait)
@@ -625,7 +819,7 @@ def run_sweep(args, configs: list[dict]) -> int:
                     write_results(run_dir, plan)
                     return 4
                 say(f"sweep: [{number}/{len(todo)}] {where}")
-                code = run_point(base, model, args, run_dir, config["name"], input_len, concurrency, repeat)
+                code = run_point(base, model, args, run_dir, config["name"], input_len, concurrency, repeat, depth)
                 write_results(run_dir, plan)
                 if code == 3:
                     say(f"error: {where}: the server died; rerun to resume")

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from magpie.measure import report, sweep
+from magpie.measure import common, report, sweep
 from magpie.serving.process import VllmServer
 from tests.serving.helpers import MEASURE, PYTHON, REPO, run_tool, tool, vllm_env
 
@@ -99,9 +99,16 @@ def test_bench_figures_equal_vllm_calculate_metrics_on_the_same_timings(server, 
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
     from vllm.benchmarks.serve import calculate_metrics
 
-    result = bench(server.url, tmp_path / "bench.json", write_prompts(tmp_path, prompts))
-    result.pop("stdout")
+    qs = [25.0, 50.0, 99.9]
+    rows, lines = tmp_path / "bench.csv", tmp_path / "bench.jsonl"
+    result = bench(
+        server.url, tmp_path / "bench.json", write_prompts(tmp_path, prompts),
+        "--metric-percentiles", "25,50,99.9", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--goodput", "ttft:600000", "e2el:600000", "--csv", str(rows), "--jsonl", str(lines),
+    )  # fmt: skip
+    stdout = result.pop("stdout")
     jsonschema.validate(result, json.loads((MEASURE / "schemas" / "bench-decode.schema.json").read_text()))
+    assert result["schema"] == "magpie/bench-decode/4"
     outputs = [
         RequestFuncOutput(
             success=True,
@@ -123,10 +130,70 @@ def test_bench_figures_equal_vllm_calculate_metrics_on_the_same_timings(server, 
         percentiles = dict(getattr(metrics, f"percentiles_{name}_ms"))
         for q in (50, 90, 99):
             assert ours[f"p{q}"] == pytest.approx(percentiles[q], rel=1e-9), (name, q)
+    # The chosen percentiles and goodput, as vLLM computes them (its own SLO comparison).
+    metrics, _ = calculate_metrics([], outputs, s["duration_s"], None, qs, {"ttft": 600000.0, "e2el": 600000.0})
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        theirs = dict(getattr(metrics, f"percentiles_{name}_ms"))
+        ours = s["percentiles_ms"][name]
+        assert set(ours) == {"p25", "p50", "p99.9"}, ours
+        for q in qs:
+            assert ours[f"p{q:g}"] == pytest.approx(theirs[q], rel=1e-9), (name, q)
+        assert f"{name.upper()} ms percentiles" in stdout
+    assert s["goodput"]["good_requests"] == PROMPT_COUNT
+    assert s["goodput"]["request_per_s"] == pytest.approx(metrics.request_goodput, rel=1e-9)
+    # An SLO between two requests' TTFTs: some requests meet it, as in vLLM's count.
+    ttfts = sorted(r["ttft_s"] for r in result["records"])
+    slo = {"ttft": (ttfts[1] + ttfts[-2]) / 2 * 1000, "tpot": 10**6}
+    metrics, _ = calculate_metrics([], outputs, s["duration_s"], None, qs, slo)
+    good = common.goodput(result["records"], slo, s["duration_s"])
+    assert 0 < good["good_requests"] < PROMPT_COUNT
+    assert good["request_per_s"] == pytest.approx(metrics.request_goodput, rel=1e-9)
+    # CSV: one row per metric; JSONL: one line per request, the JSON's records.
+    table = list(csv.DictReader(rows.open()))
+    assert [r["metric"] for r in table][:4] == ["ttft", "tpot", "itl", "e2el"]
+    assert float(table[0]["p99.9"]) == pytest.approx(s["percentiles_ms"]["ttft"]["p99.9"])
+    assert float(table[1]["mean"]) == pytest.approx(s["tpot_ms"]["mean"])
+    assert [json.loads(x)["output_sha256"] for x in lines.read_text().splitlines()] == [
+        r["output_sha256"] for r in result["records"]
+    ]
+    # The machine's state: no GPU here, MemAvailable's low-water mark under its start.
+    state = result["machine"]
+    assert state["launch"]["vllm_server"] == result["server"]["vllm_version"]
+    assert state["gpu"]["name"] == "unknown" or state["gpu"]["driver"] != "unknown"
+    assert 0 < state["mem_available_low_water_bytes"] <= state["mem_available_before_bytes"]
     # Per request only vLLM's figures: no rate over a client-side window.
     for record in result["records"]:
         assert not {"decode_tok_per_s", "decode_interval_s", "decode_unmeasured_reason"} & set(record)
         assert record["tpot_s"] == pytest.approx((record["latency_s"] - record["ttft_s"]) / (MAX_TOKENS - 1))
+
+
+def test_bench_repeats_keep_each_figures_range_and_the_report_compares_them(server, prompts, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_tool(
+        "bench-decode", "--url", server.url, "-n", "2", "-c", "1", "--max-tokens", "16", "--ignore-eos",
+        "--warmup", "0", "--repeats", "2", "--prompts", str(write_prompts(tmp_path, prompts)), "--output", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    jsonschema.validate(result, json.loads((MEASURE / "schemas" / "bench-decode.schema.json").read_text()))
+    assert [r["repeat"] for r in result["records"]] == [1, 1, 2, 2]
+    assert [r["index"] for r in result["records"]] == [0, 1, 2, 3]
+    rates = [r["engine_decode_tok_per_s"] for r in result["repeats"]]
+    spread = result["summary"]["spread"]["engine_decode_tok_per_s"]
+    assert spread == {"median": pytest.approx(sum(rates) / 2), "min": min(rates), "max": max(rates), "n": 2}
+    assert min(rates) <= result["summary"]["engine_decode_tok_per_s"] <= max(rates)  # pooled sums
+    assert "engine_decode_tok_per_s over repeats" in proc.stdout
+    # The same measurement twice in the report: its ranges overlap.
+    folders = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "bench-c1.json").write_text(json.dumps({**result, "label": name}))
+        folders.append(str(folder))
+    table = run_tool("report", "--compare", *folders)
+    assert table.returncode == 0, table.stderr
+    assert "c=1 decode vs first (repeats)" in table.stdout
+    assert re.search(r"^b .*within noise", table.stdout, re.M), table.stdout
 
 
 def test_bench_agrees_with_the_real_vllm_bench_serve_cli(server, prompts, tmp_path):
@@ -427,7 +494,7 @@ def sweep_dir(first_sweep) -> Path:
 def test_sweep_measures_every_point_with_a_prefix_cache_reset_before_each(first_sweep):
     sweep_dir = first_sweep.path
     results = json.loads((sweep_dir / "results.json").read_text())
-    assert results["schema"] == "magpie/sweep/2" and results["status"] == "complete"
+    assert results["schema"] == "magpie/sweep/3" and results["status"] == "complete"
     assert results["points_expected"] == results["points_complete"] == 4
     assert {(r["config"], r["input_len"], r["concurrency"]) for r in results["summary"]} == {
         ("mtp3", n, k) for n in (64, 200) for k in (1, 2)
@@ -450,10 +517,40 @@ def test_sweep_measures_every_point_with_a_prefix_cache_reset_before_each(first_
     assert float(rows[0]["tpot_p50_ms"]) == pytest.approx(results["summary"][0]["tpot_p50_ms"])
     with open(sweep_dir / "points.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 4
+    # Each figure's spread over the repeats (one here), one CSV row per point and figure.
+    row = results["summary"][0]
+    assert row["spread"]["engine_decode_tok_s"]["n"] == 1
+    assert row["spread"]["engine_decode_tok_s"]["median"] == pytest.approx(row["engine_decode_tok_s"])
+    assert set(row["percentiles_ms"]) == {"ttft", "tpot", "itl", "e2el"} and "p90" in row["percentiles_ms"]["itl"]
+    with open(sweep_dir / "metrics.csv", newline="") as f:
+        figures = list(csv.DictReader(f))
+    assert {r["figure"] for r in figures} >= {"engine_decode_tok_s", "ttft_p50_ms", "acceptance_length"}
+    assert len([r for r in figures if r["figure"] == "engine_decode_tok_s"]) == 4
     # Every request had a prompt of its own.
     files = (sweep_dir / "prompts").glob("*.jsonl")
     texts = [json.loads(line)["prompt"] for p in files for line in p.read_text().splitlines()]
     assert len(texts) == len(set(texts)) == 2 * 2  # 2 lengths x 2 prompts (repeat 1)
+
+
+def test_sweep_at_context_depths_prefixes_every_prompt_with_the_depth(server, tmp_path):
+    run_dir = tmp_path / "depth"
+    proc = sweep_cmd(
+        run_dir, "--server", f"mtp3={server.url}", "--depths", "0,256", "--input-lens", "64",
+        "--concurrency", "1", "--repeats", "1", "--output-len", "8", "--prompts-per-point", "1", "--min-free", "1GiB",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["grid"]["depths"] == [0, 256] and results["points_complete"] == 2
+    tokens = {}
+    for depth, name in ((0, "in64-c1-r1.json"), (256, "d256-in64-c1-r1.json")):
+        point = json.loads((run_dir / "points" / "mtp3" / name).read_text())
+        assert point["status"] == "complete"
+        tokens[depth] = point["records"][0]["prompt_tokens"]
+    assert abs(tokens[256] - tokens[0] - 256) <= 8, tokens  # the context of 256 tokens before the same input
+    assert {(r["depth"], r["input_len"]) for r in results["summary"]} == {(0, 64), (256, 64)}
+    with open(run_dir / "results.csv", newline="") as f:
+        assert [r["depth"] for r in csv.DictReader(f)] == ["0", "256"]
+    assert re.search(r"^mtp3 +256 +64 +1 +1 ", proc.stdout, re.M), proc.stdout
 
 
 def test_sweep_rerun_skips_finished_runs_and_extends_the_grid(sweep_dir, server):
@@ -554,6 +651,9 @@ def test_sweep_launches_a_configuration_through_serve_sh(sweep_dir, server, tiny
     off = [r for r in results["summary"] if r["config"] == "off"]
     assert len(off) == 4 and all(r["acceptance_length"] is None and r["failed"] == 0 for r in off)
     assert results["points_complete"] == 12
+    # The table compares with the first configuration; one run per point has no noise range.
+    assert "decode vs first" in proc.stdout
+    assert re.search(r"^off .*% \(one run: noise unknown\)$", proc.stdout, re.M), proc.stdout
 
 
 def test_report_draws_the_sweep(sweep_dir, tmp_path):
@@ -581,13 +681,20 @@ def test_report_reads_sweeps_under_the_legacy_and_the_current_schema_prefix(tmp_
     assert json.loads((committed / "results.json").read_text())["schema"] == "flash-next/sweep/1"
     page = "".join(report.sweep_section(report.load_sweep(str(committed))))
     assert "written by an older sweep.py (flash-next/sweep/1)" in page
-    for schema, older in (("magpie/sweep/1", True), ("magpie/sweep/2", False), ("flash-next/sweep/2", False)):
+    for schema, older in (
+        ("magpie/sweep/1", True),
+        ("magpie/sweep/2", False),
+        ("magpie/sweep/3", False),
+        ("flash-next/sweep/2", False),
+    ):
         folder = tmp_path / schema.replace("/", "-")
         folder.mkdir()
         document = {**json.loads((committed / "results.json").read_text()), "schema": schema}
         (folder / "results.json").write_text(json.dumps(document))
         page = "".join(report.sweep_section(report.load_sweep(str(folder))))
         assert ("written by an older sweep.py" in page) is older, schema
-    (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/3"}))
-    with pytest.raises(SystemExit, match=r"not a sweep.py result \(magpie/sweep/2 or magpie/sweep/1\)"):
+    (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/4"}))
+    with pytest.raises(
+        SystemExit, match=r"not a sweep.py result \(magpie/sweep/3 or magpie/sweep/2 or magpie/sweep/1\)"
+    ):
         report.load_sweep(str(folder))
