@@ -349,6 +349,7 @@ def test_each_module_the_series_create_is_what_its_one_source_generates():
         ("0.29.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
         ("0.33.0", "vllm/models/qwen4_exp/common/ple_mmap.py"): "ple_mmap.py",
         ("0.33.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
+        ("0.34.0", "vllm/models/qwen4_exp/nvidia/ple_rows.py"): "ple_rows.py",
         ("0.34.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
     }
 

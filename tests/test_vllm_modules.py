@@ -59,7 +59,9 @@ def test_a_keep_set_outside_the_vocabulary_is_refused_naming_the_file(tmp_path):
         draft_vocab.load_keep_ids(str(path), vocab_size=32)
 
 
-@pytest.mark.parametrize("name, allowed", [("ple_mmap.py", {"numpy", "torch"}), ("draft_vocab.py", {"torch"})])
+@pytest.mark.parametrize(
+    "name, allowed", [("ple_mmap.py", {"numpy", "torch"}), ("ple_rows.py", {"torch"}), ("draft_vocab.py", {"torch"})]
+)
 @pytest.mark.parametrize("release", releases.series_releases())
 def test_each_shipped_module_imports_only_torch_numpy_and_the_standard_library(name, allowed, release):
     """As each series ships it (numpy: a vLLM dependency): the module runs on its own, outside vLLM."""
