@@ -768,6 +768,8 @@ def plan(args: argparse.Namespace) -> int:
         "schema": manifest.SCHEMA,
         "argv": launch,
         "env": env,
+        # Removed from the server's environment by `exec` (a variable the release no longer reads).
+        "unset": [] if releases.has_runner_switch(status.version) else ["VLLM_USE_V2_MODEL_RUNNER"],
         "cwd": workdir,
         "command": cmd,
         "command_text": bash_quote(cmd),
@@ -818,6 +820,8 @@ def exec_plan(plan_path: str) -> int:
     with open(plan_path) as f:
         launch = json.load(f)
     os.environ.update(launch["env"])
+    for name in launch.get("unset", []):
+        os.environ.pop(name, None)
     enter_workdir(launch["cwd"])
     try:
         os.execvp(launch["argv"][0], launch["argv"])

@@ -7,7 +7,9 @@ raise on, before vLLM starts. The version is the one the plan reads from the tre
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 from magpie import releases
@@ -69,3 +71,15 @@ def test_a_users_1_on_0_34_is_named_as_not_needed(tmp_path, release_overlays, ti
     assert proc.returncode == 0, proc.stderr
     assert "VLLM_USE_V2_MODEL_RUNNER" not in record["env"]
     assert any("has only the V2 model runner" in line for line in record["gb10"]["notes"]), record["gb10"]["notes"]
+    # ... and `exec` takes it out of the server's environment, not only out of the plan.
+    assert record["unset"] == ["VLLM_USE_V2_MODEL_RUNNER"]
+    manifest = tmp_path / "server-0-1.log.launch.json"
+    launch = json.loads(manifest.read_text())
+    launch["argv"] = [sys.executable, "-c", "import os; print(os.environ.get('VLLM_USE_V2_MODEL_RUNNER', 'unset'))"]
+    manifest.write_text(json.dumps(launch))
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    proc = subprocess.run(
+        [*tool("launch"), "exec", str(manifest)], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "unset"
