@@ -585,13 +585,17 @@ def test_serve_sh_starts_no_python_before_vllm_but_launch_plan_and_the_superviso
     )
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "wrapper-calls.log").read_text().splitlines()
-    assert [c.split()[1:3] for c in calls] == [["launch", "plan"], ["memguard", "run"], ["launch", "exec"]], calls
-    # Two interpreters started: `launch plan`, and `memguard run` (the supervisor, beside vLLM for
-    # the server's whole life: MEMGUARD=0 and WATCHDOG=0 take the same path, with no guard and no
-    # watchdog); `launch exec` stopped in the wrapper where it would become vLLM.
+    expected = [["memguard", "run"], ["launch", "plan"], ["memguard", "run"], ["launch", "exec"]]
+    assert [c.split()[1:3] for c in calls] == expected, calls
+    assert " run --check " in calls[0] and " --check " not in calls[2], calls
+    # Three interpreters started: `memguard run --check` (the supervisor's options and PID_FILE,
+    # checked before LOG is written), `launch plan`, and `memguard run` (the supervisor, beside
+    # vLLM for the server's whole life: MEMGUARD=0 and WATCHDOG=0 take the same path, with no
+    # guard and no watchdog); `launch exec` stopped in the wrapper where it would become vLLM.
     started = starts.read_text().splitlines()
-    assert len(started) == 2 and " launch plan " in started[0] and " memguard run " in started[1], started
-    assert " --no-guard " in started[1] and " --watchdog " not in started[1], started
+    assert len(started) == 3, started
+    assert " memguard run " in started[0] and " launch plan " in started[1] and " memguard run " in started[2]
+    assert " --no-guard " in started[2] and " --watchdog " not in started[2], started
     record = manifest.load(log)
     assert set(manifest.patch_states(record).values()) == {"applied"}
     assert record["checks"]["keep_set"]["path"] == str(keep)
