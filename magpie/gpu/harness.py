@@ -482,6 +482,7 @@ def _variant_files(wheel: Path, site: Path, work: Path, name: str, selectors: li
     gone = [
         str(p.relative_to(site)) for p in (site / "vllm").rglob("*.py") if not (other / p.relative_to(site)).exists()
     ]
+    out.mkdir(parents=True, exist_ok=True)  # also when no file differs (0.34's one ple patch)
     (out / "GONE").write_text("\n".join(gone))
     print(f"[prepare] {name} ({' '.join(selectors)}): differ {changed}, absent {gone}", flush=True)
     shutil.rmtree(other)
