@@ -47,6 +47,10 @@ Example (the mtp suite; the folders prepare writes travel to the GPU machine wit
     python3 magpie gpu-harness stage .gpu-harness/c \
          && python3 magpie gpu-harness run --suite mtp --budget 540   # there, second call
 
+When the C kernels and the checkout pass a call's 64 MiB (prepare says so), prepare also writes
+them as two pieces: carry .gpu-harness/c-1 with the first call and .gpu-harness/c-2 with the
+second, whose `stage .gpu-harness/c-2` joins them (the machine keeps the first while warm).
+
 docs/gpu-harness.md: the machine this is made for (a lent H200), the chain of calls that fits
 its limits, what each suite costs, and how to add a configuration.
 """
@@ -261,8 +265,52 @@ def tar_xz(src_dir: Path, dst: Path, arcname: str) -> None:
         tar.add(src_dir, arcname=arcname)
 
 
+# The first piece of the C kernels rides with the site's call when the whole file and the checkout
+# pass a call's 64 MiB (0.34.0: 58.4 MB of kernels beside a 9 MB checkout was refused).
+FIRST_PIECE = 8 * 1024 * 1024
+
+
+def write_pieces(out: Path, name: str, manifest: dict) -> None:
+    """OUT/NAME also as two pieces, OUT-1/NAME.1 (FIRST_PIECE bytes) and OUT-2/NAME.2 (the rest,
+    with the manifest): carry OUT-1 beside the site in one call and OUT-2 in the next; `stage OUT-2`
+    joins them and checks the joined file against the manifest's sha256."""
+    first, second = out.parent / f"{out.name}-1", out.parent / f"{out.name}-2"
+    for folder in (first, second):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    with open(out / name, "rb") as src:
+        (first / f"{name}.1").write_bytes(src.read(FIRST_PIECE))
+        with open(second / f"{name}.2", "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    pieces = {name: [f"../{first.name}/{name}.1", f"{name}.2"]}
+    files.atomic_write_json(second / "manifest.json", {**manifest, "pieces": pieces})
+    mib = FIRST_PIECE / 2**20
+    print(f"[prepare] {out.name} also as pieces: {first.name}/ ({mib:.0f} MiB) and {second.name}/", flush=True)
+
+
+def join_pieces(folder: Path, manifest: dict) -> None:
+    """Join the pieces a manifest lists (write_pieces) into FOLDER, unless the file is there."""
+    for name, pieces in manifest.get("pieces", {}).items():
+        if (folder / name).exists():
+            continue
+        paths = [folder / piece for piece in pieces]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise HarnessError(
+                f"{folder}: piece {', '.join(missing)} not on this machine; carry its folder in an "
+                "earlier call of this machine (docs/gpu-harness.md, the pieces of the C kernels)"
+            )
+        with open(folder / name, "wb") as dst:
+            for path in paths:
+                with open(path, "rb") as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        print(f"[stage] joined {len(paths)} pieces into {folder / name}", flush=True)
+
+
 def checkout_bytes() -> int:
-    """Bytes of what a call sends besides the carried folders: tracked + untracked-not-ignored."""
+    """Bytes of what a call sends besides the carried folders: tracked + untracked-not-ignored,
+    each file rounded up to a 4 KiB block (the device's count is at least that: a call of 63.9 MiB
+    by file sizes alone was refused)."""
     proc = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO,
@@ -273,7 +321,7 @@ def checkout_bytes() -> int:
     for name in proc.stdout.decode().split("\0"):
         path = REPO / name
         if name and path.is_file():
-            total += path.stat().st_size
+            total += -(-path.stat().st_size // 4096) * 4096
     return total
 
 
@@ -353,7 +401,9 @@ def cmd_prepare(args) -> int:
         so = work / part / "vllm" / KERNELS[part]
         print(f"[prepare] xz {so.name} ({so.stat().st_size / 1e6:.1f} MB), ~1 min", flush=True)
         xz_file(so, out / (KERNELS[part] + ".xz"))
-        write_manifest(out, {**common, "part": part, "so": KERNELS[part], "so_sha256": sha256(so)})
+        manifest = write_manifest(out, {**common, "part": part, "so": KERNELS[part], "so_sha256": sha256(so)})
+        if part == "c":
+            write_pieces(out, KERNELS[part] + ".xz", manifest)
     if "site" in parts:
         site = work / "site"
         n = unzip_into(wheel, site, WHEEL_EXCLUDE)
@@ -429,10 +479,12 @@ def cmd_prepare(args) -> int:
             verdict = "fits"
         elif label == "moe+site":
             verdict = "too large for one call: carry the site's files over two calls (--help, ple suite)"
+        elif label == "c" and part_dir("c-2").is_dir():
+            verdict = "too large for one call: carry c-1 with the site's call, then c-2 (stage .gpu-harness/c-2)"
         else:
             verdict = "TOO LARGE for one call"
         print(f"[prepare] call carrying {label}: {size / 2**20:.1f} MiB of 64 MiB: {verdict}", flush=True)
-        if size > CALL_LIMIT and label != "moe+site":
+        if size > CALL_LIMIT and not verdict.startswith("too large for one call"):
             return 1
     return 0
 
@@ -516,6 +568,7 @@ def cmd_stage(args) -> int:
     for folder in map(Path, args.folders):
         manifest = json.loads((folder / "manifest.json").read_text())
         part = manifest["part"]
+        join_pieces(folder, manifest)
         # A site part may come over two calls (carry names single files: the models in one call,
         # the vLLM tree in the next, when the tree and the MoE kernels together pass 64 MiB).
         present = [name for name in manifest["files"] if (folder / name).exists()]

@@ -57,6 +57,12 @@ def text_config(ngram_vocab_size_base: int = TABLE_BASE) -> dict:
         make_ngram_vocab_size_divisible_by=128,
         split_ngram_parts=SHARDS,
         mtp_num_hidden_layers=1,
+        # vLLM 0.34's CUDA hyper-connection packs input_mix_weight_down and block_inject_weight
+        # into one linear padded to 16 rows, and its loader leaves a padding shard unloaded
+        # ("weights were not initialized": H200, 2026-12-03): keep hc_lowrank + hc_count = 16.
+        hc_lowrank=14,
+        # The ple-scale-034 suite's 16,384-token prompt (0.34 refuses max_model_len above this).
+        max_position_embeddings=32_768,
     )
     cfg.pop("architectures")
     cfg.pop("torch_dtype")

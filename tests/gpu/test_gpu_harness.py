@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import lzma
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,33 @@ def test_stage_refuses_a_broken_transfer(tmp_path, monkeypatch, capsys):
     assert harness.main(["stage", str(part)]) == 2
     assert "transfer broken" in capsys.readouterr().err
     assert not (tmp_path / "gpuh" / "kernels" / "lib.so").exists()
+
+
+def test_kernels_carried_as_two_pieces_are_joined_and_checked(tmp_path, monkeypatch, capsys):
+    payload = bytes(range(256)) * 4000  # xz leaves it a few kB: FIRST_PIECE shrunk to split it
+    part = _kernel_part(tmp_path / "carried" / "c", payload)
+    manifest = json.loads((part / "manifest.json").read_text())
+    monkeypatch.setattr(harness, "FIRST_PIECE", 100)
+    harness.write_pieces(part, "lib.so.xz", manifest)
+    first, second = tmp_path / "carried" / "c-1", tmp_path / "carried" / "c-2"
+    assert (first / "lib.so.xz.1").stat().st_size == 100
+    assert not (second / "lib.so.xz").exists()
+    monkeypatch.setattr(harness, "GPUH", tmp_path / "gpuh")
+    # The second call without the first piece on the machine: refused, naming the piece.
+    shutil.move(first, tmp_path / "elsewhere")
+    assert harness.main(["stage", str(second)]) == 2
+    assert "lib.so.xz.1 not on this machine" in capsys.readouterr().err
+    shutil.move(tmp_path / "elsewhere", first)
+    assert harness.main(["stage", str(second)]) == 0
+    assert (tmp_path / "gpuh" / "kernels" / "lib.so").read_bytes() == payload
+    assert "joined 2 pieces" in capsys.readouterr().out
+    # A piece altered in transit: the joined file fails the manifest's sha256.
+    (second / "lib.so.xz").unlink()
+    data = bytearray((second / "lib.so.xz.2").read_bytes())
+    data[0] ^= 0xFF
+    (second / "lib.so.xz.2").write_bytes(bytes(data))
+    assert harness.main(["stage", str(second)]) == 2
+    assert "transfer broken" in capsys.readouterr().err
 
 
 def _site_part(folder: Path, tmp_path: Path) -> Path:
