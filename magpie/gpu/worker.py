@@ -685,12 +685,46 @@ def skip_unneeded_warmups() -> list[str]:
     return [f"{MINIMAX_WARMUP}: no-op (no cutlass; not a MiniMax M3 model)"]
 
 
+QWEN4EXP_HC = "vllm.models.qwen4_exp.nvidia.hyperconnection"
+QWEN4EXP_MODEL = "vllm.models.qwen4_exp.nvidia.model"
+QWEN4EXP_FUSED = "vllm.models.qwen4_exp.nvidia.ops.cute_dsl.hc_down_silu"
+
+
+def unfused_hc_down_without_cutedsl() -> list[str]:
+    """Where CuTe DSL is absent, keep vLLM 0.34's CUDA Qwen4Exp on its own unfused path for the
+    hyper-connection's down projection + SiLU (the merged linear, split, then hc_silu: what it runs
+    above its fused kernel's token range or batch-invariant), instead of JIT-compiling the fused
+    CuTe DSL kernel at warm-up (which imports `cutlass`). Returns what it did."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is not None:
+        return []
+    try:  # the fused kernel's module: 0.34 on; 0.29's Qwen4Exp has the layer without it
+        if importlib.util.find_spec(QWEN4EXP_FUSED) is None:
+            return []
+    except ModuleNotFoundError:
+        return []
+    hc = importlib.import_module(QWEN4EXP_HC)
+    model = importlib.import_module(QWEN4EXP_MODEL)
+    original = hc.GatedResidual.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if hasattr(self, "_use_hc_down_silu"):
+            self._use_hc_down_silu = False
+
+    hc.GatedResidual.__init__ = init
+    model.request_hc_down_silu_warmup = lambda *args, **kwargs: None
+    return [f"{QWEN4EXP_HC}.GatedResidual: unfused down+SiLU (no cutlass for the CuTe DSL kernel)"]
+
+
 def main(argv: list[str]) -> int:
     cfg = json.loads(Path(argv[0]).read_text())
     info: dict = {"config": cfg["name"], "about": cfg.get("about"), "compare_to": cfg.get("compare_to"), "ok": False}
     try:
         info["hooks"] = install_hooks()
-        info["stand_ins"] = skip_unneeded_warmups()
+        info["stand_ins"] = skip_unneeded_warmups() + unfused_hc_down_without_cutedsl()
         import torch
         import vllm
         from vllm import LLM
