@@ -55,8 +55,8 @@ rules that applies, and the output says which rule filed how much of each family
   in the trace. A matmul kernel of a replay is the head when the next kernel of the same
   replay that is not an elementwise op, copy or fill turns its output into tokens: a max /
   argmax / top-k / sampling kernel (not an MoE router's top-k: names with moe / expert /
-  gating / router). What a dense layer's GEMM feeds is a norm, an activation, attention or
-  the next GEMM. (The MTP drafter's steps run this way under FULL graphs: in vLLM 0.34's
+  gating / router). What a dense layer's GEMM feeds (past its elementwise epilogue) is a
+  norm's reduction, attention or the next GEMM. (The MTP drafter's steps run this way under FULL graphs: in vLLM 0.34's
   drafter graph the head's GEMM feeds a max reduction.)
 - "name": everything else, by KERNEL_FAMILIES' regular expressions over the kernel's name
   (GEMV, GEMM (BF16 dense), attention, ...).
@@ -148,12 +148,12 @@ RULE_CALL_SITE, RULE_SHAPE, RULE_REPLAY, RULE_NAME = range(len(RULES))
 # aten GEMM ops (cpu_op events; "Input Dims" with record_shapes=True) and where their weight is.
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm"}
 WEIGHT_OPERAND = {"aten::addmm": 2, "aten::baddbmm": 2}  # the others: operand 1
-# A kernel that turns logits into tokens: what the head's output feeds in a graph replay. Kernels
-# of these families, and kernels named like copies / fills, are skipped on the way to it.
+# A kernel that turns logits into tokens: what the head's output feeds in a graph replay. Copies,
+# fills and elementwise kernels are skipped on the way to it (not reductions: a norm's mean stops
+# the search, as does any other kernel).
 TOKEN_PICK_RE = re.compile(r"argmax|ArgMax|MaxOps|topk|top_k|sampl|radix|softmax|gumbel", re.I)
 # An MoE router's top-k picks experts, not tokens.
 ROUTER_RE = re.compile(r"moe|expert|gating|router", re.I)
-PASS_THROUGH_FAMILIES = {"elementwise / copies"}
 PASS_THROUGH_RE = re.compile(r"memcpy|memset|fill|copy|elementwise", re.I)
 # PLE staging on the host: ple_ssd's module (vllm/models/qwen4_exp/ple_mmap.py) has no profiler
 # ranges of its own, so its Python functions are the marks: `stage` (0002, before the forward) and
@@ -461,7 +461,6 @@ def assign_lm_head(data: Collected) -> None:
         if correlation in data.graph_correlations:
             replays.setdefault(correlation, []).append(i)
     kernel_names = {index: name for name, index in data.kernel_names.items()}
-    pass_through = {names.index(f) for f in PASS_THROUGH_FAMILIES}
     for members in replays.values():
         members.sort(key=data.kernel_ts.__getitem__)
         for position, i in enumerate(members):
@@ -472,7 +471,7 @@ def assign_lm_head(data: Collected) -> None:
                 if TOKEN_PICK_RE.search(name) and not ROUTER_RE.search(name):
                     data.kernel_family[i], data.kernel_rule[i] = lm_head, RULE_REPLAY
                     break
-                if data.kernel_family[j] not in pass_through and not PASS_THROUGH_RE.search(name):
+                if not PASS_THROUGH_RE.search(name) or "reduce" in name.lower():
                     break
 
 
