@@ -29,10 +29,11 @@ import gzip
 import json
 import re
 
+import jsonschema
 import pytest
 
 from magpie.measure import trace_split
-from tests.serving.helpers import REPO, run_tool
+from tests.serving.helpers import MEASURE, REPO, run_tool
 
 FIXTURES = REPO / "tests" / "fixtures"
 TRACES = {name: FIXTURES / f"h200-scale-{name}-decode.pt.trace.json.gz" for name in ("base", "k10k")}
@@ -202,8 +203,24 @@ def test_the_cli_says_which_rule_filed_each_family_and_help_describes_the_rules(
     line = next(x for x in proc.stdout.splitlines() if x.strip().endswith("]") and HEAD in x)
     assert "call site" in line and "graph replay" in line
     assert "head rows (the N of the head's GEMMs): 248320" in proc.stdout
+    schema = json.loads((MEASURE / "schemas" / "trace-split.schema.json").read_text())
+    jsonschema.validate(json.loads(out.read_text()), schema)
     result = json.loads(out.read_text())["traces"][0]["summary"]
     assert result["head_rows"] == [248320] and "family_rules" in result
+    # The committed splits of the full 0.34.0 traces: the head's family holds every call of
+    # the full head's kernel unpruned (the kernel's share), and the same rules fill it.
+    committed = {
+        n: json.loads(
+            (REPO / "measurements" / "vllm-0.34.0" / f"mtp-scale-h200-2026-12-03-trace-split-{n}.json").read_text()
+        )
+        for n in ("base", "k10k")
+    }
+    for split in committed.values():
+        jsonschema.validate(split, schema)
+    base, k10k = (committed[n]["traces"][0]["summary"] for n in ("base", "k10k"))
+    row = next(k for k in base["top_kernels"] if k["name"] == FULL_HEAD)
+    assert row["family"] == HEAD and base["gpu_share_by_family"][HEAD] == pytest.approx(row["share_of_gpu_time"])
+    assert set(base["family_rules"][HEAD]) == set(k10k["family_rules"][HEAD]) == {"call site", "graph replay"}
     helped = run_tool("trace-split", "--help")
     assert helped.returncode == 0
     for words in ('"call site"', '"shape"', '"graph replay"', '"name"', "--head-rows", "family_rules"):
