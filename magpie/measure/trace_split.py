@@ -49,7 +49,9 @@ rules that applies, and the output says which rule filed how much of each family
   `linear` / `matmul` / `bmm` around the launch; the trace needs `record_shapes=True`) whose
   N (the weight's output features) or M is a head's row count is the head, wherever it was
   called from. The head's row counts are the N of the GEMMs the call-site rule found (the
-  vocabulary; a pruned draft head's keep-set) plus any `--head-rows`.
+  vocabulary; a pruned draft head's keep-set) plus any `--head-rows`. (A dense layer as wide
+  as a head has rows, as in a toy model with a 4,096-id vocabulary and 4,096-wide layers, would
+  be filed as the head too: `head_rows` in the summary says which counts were used.)
 - "graph replay": a kernel replayed from a CUDA graph has no host launch of its own (its
   correlation id is the cudaGraphLaunch's, so the call site is the whole graph) and no shape
   in the trace. A matmul kernel of a replay is the head when the next kernel of the same
