@@ -8,7 +8,7 @@ issued, and the GPU time per kernel family. "other" is the step time no role cov
 negative, because each role counts only time no earlier role already covers (worker first, then
 scheduler, then engine I/O).
 
-    python3 magpie trace-split profiles/decode-c1/ --output split.json
+    python3 magpie trace-split profiles/decode-c1/ --output split.json [--head-rows 248320]
 
 Inputs: `.json` or `.json.gz` Chrome traces as vLLM writes them under
 `--profiler-config.torch_profiler_dir`: files, or folders (searched for `*.trace.json` and
@@ -35,12 +35,33 @@ step that JIT-compiles a kernel: each step reports `jit_compile_ms`, the time in
 Also per step: the PLE staging time on the host (ple_ssd's `ple_mmap.py` `stage` / `lookup`
 calls: the patches add no profiler range, so their Python function events are the marks), and,
 with GPU events, the worker's CPU time during which no kernel ran (host overhead the GPU waits
-for). The summary adds the top kernels by GPU time. The lm_head product is told apart from the
-other GEMMs by where the host launched it: a GEMV/GEMM kernel whose launch (matched through the
-kernel's `correlation` id to its cudaLaunchKernel / cuLaunchKernelEx event) ran inside vLLM's
-LogitsProcessor is "lm_head GEMV (logits)" (the target's head and the MTP draft head alike);
-kernels named gemv elsewhere are "GEMV", the rest "GEMM (BF16 dense)". Kernels replayed from a
-CUDA graph have no host launch of their own: under FULL graphs the head falls in GEMV / GEMM.
+for). The summary adds the top kernels by GPU time.
+
+Kernel families, by what a kernel computes rather than by its name alone: the same cuBLAS
+kernel can serve the head and the dense layers, so each kernel is filed by the first of these
+rules that applies, and the output says which rule filed how much of each family
+(`family_rules` in the summary, `rules` on each top kernel, the brackets of the table):
+- "call site": a matmul kernel (GEMV / GEMM / NVFP4 GEMM by its name) whose host launch
+  (matched through the kernel's `correlation` id to its cudaLaunchKernel / cuLaunchKernelEx)
+  ran inside vLLM's LogitsProcessor (`forward` / `_get_logits` / `_apply_head`) is the head,
+  "lm_head GEMV (logits)": the target's head and the MTP draft head alike.
+- "shape": a matmul kernel launched by an aten GEMM op (the innermost `aten::mm` / `addmm` /
+  `linear` / `matmul` / `bmm` around the launch; the trace needs `record_shapes=True`) whose
+  N (the weight's output features) or M is a head's row count is the head, wherever it was
+  called from. The head's row counts are the N of the GEMMs the call-site rule found (the
+  vocabulary; a pruned draft head's keep-set) plus any `--head-rows`. (A dense layer as wide
+  as a head has rows, as in a toy model with a 4,096-id vocabulary and 4,096-wide layers, would
+  be filed as the head too: `head_rows` in the summary says which counts were used.)
+- "graph replay": a kernel replayed from a CUDA graph has no host launch of its own (its
+  correlation id is the cudaGraphLaunch's, so the call site is the whole graph) and no shape
+  in the trace. A matmul kernel of a replay is the head when the next kernel of the same
+  replay that is not an elementwise op, copy or fill turns its output into tokens: a max /
+  argmax / top-k / sampling kernel (not an MoE router's top-k: names with moe / expert /
+  gating / router). What a dense layer's GEMM feeds (past its elementwise epilogue) is a
+  norm's reduction, attention or the next GEMM. (The MTP drafter's steps run this way under FULL graphs: in vLLM 0.34's
+  drafter graph the head's GEMM feeds a max reduction.)
+- "name": everything else, by KERNEL_FAMILIES' regular expressions over the kernel's name
+  (GEMV, GEMM (BF16 dense), attention, ...).
 
 Roles and kernel families are the tables ROLES and KERNEL_FAMILIES below: regular expressions
 over the trace's event names (`path(line): function` for Python functions), checked against
@@ -119,15 +140,23 @@ KERNEL_FAMILIES: list[tuple[str, re.Pattern]] = [
     ("elementwise / copies", re.compile(r"elementwise|vectorized|unrolled|copy|fill|cat_|reduce|triton_", re.I)),
 ]
 
-# A GEMV/GEMM kernel launched while the logits processor runs is the lm_head product (target or
-# draft head; M = the tokens of the step, small at decode). It is found from where the host
-# launched it (the kernel's correlation id -> its cudaLaunchKernel / cuLaunchKernelEx -> the
-# Python function around that launch), since the same cuBLAS kernels serve every dense layer.
-# A launch from a CUDA-graph replay has no such context: under FULL graphs the head's kernels are
-# counted with GEMV / GEMM.
+# The head's kernels are filed by the rules of the docstring ("call site", "shape", "graph
+# replay"), since the same cuBLAS kernels serve every dense layer; the rest by name.
 LM_HEAD_FAMILY = "lm_head GEMV (logits)"
-MATMUL_FAMILIES = {"GEMV", "GEMM (BF16 dense)"}
+MATMUL_FAMILIES = {"GEMV", "GEMM (BF16 dense)", "MoE experts (NVFP4 / grouped GEMM)"}
 LOGITS_RE = re.compile(r"vllm/model_executor/layers/logits_processor\.py\(\d+\): (forward|_get_logits|_apply_head)$")
+RULES = ("call site", "shape", "graph replay", "name")
+RULE_CALL_SITE, RULE_SHAPE, RULE_REPLAY, RULE_NAME = range(len(RULES))
+# aten GEMM ops (cpu_op events; "Input Dims" with record_shapes=True) and where their weight is.
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm"}
+WEIGHT_OPERAND = {"aten::addmm": 2, "aten::baddbmm": 2}  # the others: operand 1
+# A kernel that turns logits into tokens: what the head's output feeds in a graph replay. Copies,
+# fills and elementwise kernels are skipped on the way to it (not reductions: a norm's mean stops
+# the search, as does any other kernel).
+TOKEN_PICK_RE = re.compile(r"argmax|ArgMax|MaxOps|topk|top_k|sampl|radix|softmax|gumbel", re.I)
+# An MoE router's top-k picks experts, not tokens.
+ROUTER_RE = re.compile(r"moe|expert|gating|router", re.I)
+PASS_THROUGH_RE = re.compile(r"memcpy|memset|fill|copy|elementwise", re.I)
 # PLE staging on the host: ple_ssd's module (vllm/models/qwen4_exp/ple_mmap.py) has no profiler
 # ranges of its own, so its Python functions are the marks: `stage` (0002, before the forward) and
 # `lookup` (0001 alone, inside the forward's custom op).
@@ -263,8 +292,12 @@ class Collected:
         self.kernel_family = array("b")
         self.kernel_name = array("l")  # index into kernel_names
         self.kernel_correlation = array("q")
+        self.kernel_rule = array("b")  # index into RULES
         self.kernel_names: dict[str, int] = {}
         self.launch_context: dict[int, tuple] = {}  # correlation -> (pid, tid, ts) of the host launch
+        self.graph_correlations: set[int] = set()  # correlation ids of cudaGraphLaunch calls
+        self.gemm_ops: dict = {}  # (pid, tid) -> [(ts, end, (M, N))] of aten GEMM ops
+        self.head_rows: set[int] = set()  # row counts of the heads found (and given)
         self.logits_events: list[tuple] = []  # (pid, tid, ts, end) of the logits processor
         self.ple_events: list[tuple] = []
         self.jit_events: list[tuple] = []
@@ -280,8 +313,28 @@ def family_names() -> list[str]:
     return [name for name, _ in KERNEL_FAMILIES] + ["other", LM_HEAD_FAMILY]
 
 
-def collect(path: str) -> Collected:
+def _gemm_mn(name: str, args: dict) -> tuple[int, int] | None:
+    """(M, N) of an aten GEMM op from record_shapes' Input Dims: M the activations' rows, N the
+    weight's dimension other than the one it shares with the activations (its rows for
+    `linear`, its columns for `mm`)."""
+    dims = args.get("Input Dims")
+    operand = WEIGHT_OPERAND.get(name, 1)
+    if not isinstance(dims, list) or len(dims) <= operand:
+        return None
+    act, weight = dims[operand - 1], dims[operand]
+    if not (isinstance(act, list) and isinstance(weight, list) and len(act) >= 2 and len(weight) >= 2):
+        return None
+    k = act[-1]
+    last_two = list(weight[-2:])
+    if k not in last_two:
+        return None
+    last_two.remove(k)
+    return int(act[-2]), int(last_two[0])
+
+
+def collect(path: str, head_rows=()) -> Collected:
     data = Collected()
+    data.head_rows.update(int(n) for n in head_rows)
     families = [name for name, _ in KERNEL_FAMILIES] + ["other"]
     for item in iter_trace(path):
         if item[0] == "meta":
@@ -319,6 +372,12 @@ def collect(path: str) -> Collected:
                 if regex.search(name):
                     data.role_events[role].append((event.get("pid"), event.get("tid"), ts, ts + dur))
                     break
+        elif category == "cpu_op":
+            if name in GEMM_OPS:
+                mn = _gemm_mn(name, event.get("args") or {})
+                if mn:
+                    key = (event.get("pid"), event.get("tid"))
+                    data.gemm_ops.setdefault(key, []).append((ts, ts + dur, mn))
         elif category == "user_annotation":
             if ITERATION_ANNOTATION_RE.search(name):
                 data.annotations.append((event.get("pid"), event.get("tid"), ts, dur))
@@ -328,7 +387,9 @@ def collect(path: str) -> Collected:
             family = next((i for i, (_, regex) in enumerate(KERNEL_FAMILIES) if regex.search(name)), len(families) - 1)
             data.kernel_family.append(family)
             data.kernel_name.append(data.kernel_names.setdefault(name, len(data.kernel_names)))
-            data.kernel_correlation.append(int((event.get("args") or {}).get("correlation", -1)))
+            args = event.get("args") or {}
+            data.kernel_correlation.append(int(args.get("correlation", -1)))
+            data.kernel_rule.append(RULE_NAME)
         elif category in MEMORY_CATEGORIES:
             data.memory_ms += dur / 1000
         elif category in RUNTIME_CATEGORIES:
@@ -340,14 +401,24 @@ def collect(path: str) -> Collected:
                     data.launch_context[int(correlation)] = (event.get("pid"), event.get("tid"), ts)
             elif base in GRAPH_LAUNCH_NAMES:
                 data.graph_ts.setdefault(event.get("pid"), array("d")).append(ts)
+                correlation = (event.get("args") or {}).get("correlation")
+                if correlation is not None:
+                    data.graph_correlations.add(int(correlation))
     assign_lm_head(data)
     return data
 
 
+def _innermost(spans: _Sorted, payload: list, at: float):
+    """The payload of the shortest span containing `at` (the innermost op around a launch)."""
+    best = None
+    for k, lo, hi in spans.overlapping(at, at + 1e-3):
+        if lo <= at and (best is None or hi - lo < best[0]):
+            best = (hi - lo, payload[spans.index[k]])
+    return None if best is None else best[1]
+
+
 def assign_lm_head(data: Collected) -> None:
-    """Move GEMV/GEMM kernels whose host launch ran inside the logits processor to LM_HEAD_FAMILY."""
-    if not data.logits_events or not data.launch_context:
-        return
+    """File the head's kernels under LM_HEAD_FAMILY by call site, shape, then graph replay."""
     names = family_names()
     matmul = {names.index(f) for f in MATMUL_FAMILIES}
     lm_head = names.index(LM_HEAD_FAMILY)
@@ -355,14 +426,55 @@ def assign_lm_head(data: Collected) -> None:
     for pid, tid, start, end in data.logits_events:
         by_thread.setdefault((pid, tid), []).append((start, end))
     windows = {key: _Sorted([s for s, _ in v], [e for _, e in v]) for key, v in by_thread.items()}
+    gemm = {key: _Sorted([s for s, _, _ in v], [e for _, e, _ in v]) for key, v in data.gemm_ops.items()}
+    gemm_dims = {key: [d for _, _, d in v] for key, v in data.gemm_ops.items()}
+
+    def mn_of(launch) -> tuple | None:
+        key = (launch[0], launch[1])
+        return _innermost(gemm[key], gemm_dims[key], launch[2]) if key in gemm else None
+
+    # 1. call site: launched inside the logits processor. Its GEMM's N is a head's row count.
+    eager = []
     for i, family in enumerate(data.kernel_family):
         if family not in matmul:
             continue
         launch = data.launch_context.get(data.kernel_correlation[i])
-        if launch is None or (launch[0], launch[1]) not in windows:
+        if launch is None:
             continue
-        if next(windows[(launch[0], launch[1])].overlapping(launch[2], launch[2] + 1e-3), None) is not None:
-            data.kernel_family[i] = lm_head
+        eager.append((i, launch))
+        key = (launch[0], launch[1])
+        if key in windows and next(windows[key].overlapping(launch[2], launch[2] + 1e-3), None) is not None:
+            data.kernel_family[i], data.kernel_rule[i] = lm_head, RULE_CALL_SITE
+            mn = mn_of(launch)
+            if mn:
+                data.head_rows.add(mn[1])
+    # 2. shape: an eager GEMM whose N (or M) is a head's row count.
+    for i, launch in eager:
+        if data.kernel_rule[i] != RULE_NAME:
+            continue
+        mn = mn_of(launch)
+        if mn and data.head_rows.intersection(mn):
+            data.kernel_family[i], data.kernel_rule[i] = lm_head, RULE_SHAPE
+    # 3. graph replay: a matmul feeding a kernel that picks tokens.
+    if not data.graph_correlations:
+        return
+    replays: dict[int, list[int]] = {}
+    for i, correlation in enumerate(data.kernel_correlation):
+        if correlation in data.graph_correlations:
+            replays.setdefault(correlation, []).append(i)
+    kernel_names = {index: name for name, index in data.kernel_names.items()}
+    for members in replays.values():
+        members.sort(key=data.kernel_ts.__getitem__)
+        for position, i in enumerate(members):
+            if data.kernel_family[i] not in matmul:
+                continue
+            for j in members[position + 1 :]:
+                name = kernel_names[data.kernel_name[j]]
+                if TOKEN_PICK_RE.search(name) and not ROUTER_RE.search(name):
+                    data.kernel_family[i], data.kernel_rule[i] = lm_head, RULE_REPLAY
+                    break
+                if not PASS_THROUGH_RE.search(name) or "reduce" in name.lower():
+                    break
 
 
 def intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -407,8 +519,8 @@ class _Sorted:
                 yield k, max(self.starts[k], lo), min(self.ends[k], hi)
 
 
-def split(path: str) -> dict:
-    data = collect(path)
+def split(path: str, head_rows=()) -> dict:
+    data = collect(path, head_rows)
     result = {
         "file": os.path.abspath(path),
         "bytes": os.path.getsize(path),
@@ -496,22 +608,29 @@ def split(path: str) -> dict:
         if result["gpu_events"]:
             spans = []
             by_family = [0.0] * len(families)
-            by_kernel: dict[int, list] = {}
+            by_rule: dict[tuple[int, int], float] = {}
+            by_kernel: dict[tuple[int, int], list] = {}
             for k, lo, hi in kernels.overlapping(start, end):
                 spans.append((lo, hi))
                 i = kernels.index[k]
-                by_family[data.kernel_family[i]] += hi - lo
-                entry = by_kernel.setdefault(data.kernel_name[i], [0, 0.0, data.kernel_family[i]])
+                family, rule = data.kernel_family[i], data.kernel_rule[i]
+                by_family[family] += hi - lo
+                by_rule[(family, rule)] = by_rule.get((family, rule), 0.0) + hi - lo
+                # One row per kernel and family: a kernel some of whose launches are the head.
+                entry = by_kernel.setdefault((data.kernel_name[i], family), [0, 0.0, [0] * len(RULES)])
                 entry[0] += 1
                 entry[1] += hi - lo
+                entry[2][rule] += 1
             step["gpu_busy_ms"] = union_length(spans) / 1000
             # Host time of the worker while no kernel ran: launch overhead, Python, staging, syncs.
             step["worker_cpu_not_covered_by_gpu_ms"] = (
                 union_length(worker_spans) - intersection_length(worker_spans, spans)
             ) / 1000
             step["_kernels"] = {
-                kernel_names[n]: (count, us / 1000, families[f]) for n, (count, us, f) in by_kernel.items()
+                (kernel_names[n], families[f]): (count, us / 1000, rules)
+                for (n, f), (count, us, rules) in by_kernel.items()
             }
+            step["_rules"] = {(families[f], RULES[r]): us / 1000 for (f, r), us in by_rule.items()}
             step["kernels"] = len(spans)
             step["kernel_launches"] = bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
             step["graph_launches"] = bisect.bisect_left(graphs, end) - bisect.bisect_left(graphs, start)
@@ -519,6 +638,8 @@ def split(path: str) -> dict:
         result["steps"].append(step)
 
     result["summary"] = summarize(result["steps"], result["gpu_events"], families)
+    if result["summary"] is not None:
+        result["summary"]["head_rows"] = sorted(data.head_rows)
     for step in long_steps(result["steps"]):
         why = (
             f"{step['jit_compile_ms']:.1f} ms of it compiling Triton kernels"
@@ -531,6 +652,7 @@ def split(path: str) -> dict:
         )
     for step in result["steps"]:
         step.pop("_kernels", None)
+        step.pop("_rules", None)
     if data.memory_ms:
         result["summary"]["gpu_memcpy_memset_ms_total"] = data.memory_ms
     return result
@@ -560,12 +682,17 @@ def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
         "ple_staging_share": sum(s["ple_staging_ms"] for s in kept) / total,
     }
     if gpu:
-        kernels: dict[str, list] = {}
+        kernels: dict[tuple, list] = {}
+        rules: dict[str, dict[str, float]] = {}
         for s in kept:
-            for name, (count, ms, family) in s["_kernels"].items():
-                entry = kernels.setdefault(name, [0, 0.0, family])
+            for key, (count, ms, by_rule) in s["_kernels"].items():
+                entry = kernels.setdefault(key, [0, 0.0, [0] * len(RULES)])
                 entry[0] += count
                 entry[1] += ms
+                entry[2] = [a + b for a, b in zip(entry[2], by_rule, strict=True)]
+            for (family, rule), ms in s["_rules"].items():
+                rules.setdefault(family, {}).setdefault(rule, 0.0)
+                rules[family][rule] += ms
         kernel_total = sum(ms for _, ms, _ in kernels.values())
         top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
         gpu_family = {f: sum(s["gpu_ms_by_family"].get(f, 0.0) for s in kept) for f in families}
@@ -578,6 +705,8 @@ def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
                 "kernels_per_step": sum(s["kernels"] for s in kept) / len(kept),
                 "gpu_ms_by_family": {f: v for f, v in gpu_family.items() if v > 0},
                 "gpu_share_by_family": {f: v / gpu_total for f, v in gpu_family.items() if v > 0} if gpu_total else {},
+                # Which rule filed how much of each family (ms over the summarized steps).
+                "family_rules": {f: {r: ms for r, ms in by.items() if ms > 0} for f, by in rules.items()},
                 "worker_cpu_not_covered_by_gpu_ms_mean": sum(s["worker_cpu_not_covered_by_gpu_ms"] for s in kept)
                 / len(kept),
                 "worker_cpu_not_covered_by_gpu_share": sum(s["worker_cpu_not_covered_by_gpu_ms"] for s in kept) / total,
@@ -585,12 +714,13 @@ def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
                     {
                         "name": name,
                         "family": family,
+                        "rules": {RULES[r]: n for r, n in enumerate(by_rule) if n},
                         "count": count,
                         "gpu_ms": ms,
                         "gpu_ms_per_step": ms / len(kept),
                         "share_of_gpu_time": ms / kernel_total if kernel_total else None,
                     }
-                    for name, (count, ms, family) in top
+                    for (name, family), (count, ms, by_rule) in top
                 ],
             }
         )
@@ -603,6 +733,7 @@ def summarize(steps: list[dict], gpu: bool, families: list[str]) -> dict | None:
                 "kernels_per_step": None,
                 "gpu_ms_by_family": None,
                 "gpu_share_by_family": None,
+                "family_rules": None,
                 "worker_cpu_not_covered_by_gpu_ms_mean": None,
                 "worker_cpu_not_covered_by_gpu_share": None,
                 "top_kernels": None,
@@ -653,13 +784,23 @@ def print_report(results: list[dict], out=sys.stdout) -> None:
                 f"({s['worker_cpu_not_covered_by_gpu_share'] * 100:.1f} % of the step)",
                 file=out,
             )
+            total = sum(s["gpu_ms_by_family"].values())
+            print(
+                "  GPU time by kernel family [share filed by each rule: call site, shape, graph replay, name]:",
+                file=out,
+            )
             for family, part in sorted(s["gpu_share_by_family"].items(), key=lambda kv: -kv[1]):
-                print(f"    {part * 100:5.1f} %  {family}", file=out)
-            print("  top kernels (share of GPU time, ms per step, family):", file=out)
+                by = s["family_rules"].get(family, {})
+                how = ", ".join(f"{rule} {by[rule] / total * 100:.1f} %" for rule in RULES if rule in by)
+                print(f"    {part * 100:5.1f} %  {family}  [{how}]", file=out)
+            if s.get("head_rows"):
+                print(f"  head rows (the N of the head's GEMMs): {', '.join(map(str, s['head_rows']))}", file=out)
+            print("  top kernels (share of GPU time, ms per step, family, rules):", file=out)
             for kernel in s["top_kernels"]:
+                rules = "+".join(kernel["rules"])
                 print(
                     f"    {kernel['share_of_gpu_time'] * 100:5.1f} %  {kernel['gpu_ms_per_step']:8.3f} ms  "
-                    f"{kernel['family']:<22}  {kernel['name'][:90]}",
+                    f"{kernel['family']:<22}  {rules:<12}  {kernel['name'][:80]}",
                     file=out,
                 )
         if s["ple_staging_ms_mean"]:
@@ -676,7 +817,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", metavar="JSON", help="write the split here (default: table only)")
     cli.add_force(parser, "the --output file")
     parser.add_argument("--keep-steps", action="store_true", help="keep every step in --output (default: summary only)")
+    parser.add_argument(
+        "--head-rows",
+        metavar="N[,N...]",
+        default="",
+        help="row counts of the model's heads (the vocabulary, a pruned draft head's keep-set size) for the "
+        "shape rule, besides those the call-site rule finds in the trace (default: only those)",
+    )
     args = parser.parse_args(argv)
+    try:
+        head_rows = [int(n) for n in args.head_rows.split(",") if n.strip()]
+        if any(n <= 0 for n in head_rows):
+            raise ValueError
+    except ValueError:
+        print(f"error: --head-rows {args.head_rows!r}: give positive integers separated by commas", file=sys.stderr)
+        return 2
     files.check_output(args.output, args.force)
     trace_paths = trace_files(args.paths)
     if not trace_paths:
@@ -685,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for path in trace_paths:
         try:
-            trace = split(path)
+            trace = split(path, head_rows)
         except (ValueError, OSError, EOFError) as e:
             print(f"error: {path}: not a readable Chrome trace: {e}", file=sys.stderr)
             return 2
