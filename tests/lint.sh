@@ -2,7 +2,7 @@
 # The lint step, and the one place that says which files each linter sees: tests/run.sh runs
 # it before the suite, the flake's checks (nix/checks.nix) run its parts.
 #
-# usage: tests/lint.sh [PART...]          PART: python, patches, shell, nix (default: all four)
+# usage: tests/lint.sh [PART...]          PART: python, patches, shell, nix, commits (default: all)
 #
 #   python   ruff check and ruff format --check over every *.py file (pyproject.toml's settings)
 #   patches  the one source of each module the patch series create (magpie/vllm_modules/), as
@@ -13,11 +13,13 @@
 #            the files go into vLLM's tree, so they follow vLLM's rules (line length 88, its rule
 #            set), not the project's. Then `patches.py check-sources`: the committed hunks must
 #            be what the sources generate
-#   shell    ShellCheck over every *.sh file and .ci/run
+#   shell    ShellCheck over every *.sh file, .ci/run and .githooks/commit-msg
 #   nix      nixfmt --check over every *.nix file: $NIXFMT, else the nixfmt 1.4.0 kept beside
 #            the checkout (../shared/tools/nixfmt/nixfmt: nixfmt is on no registry reachable
 #            here); without either the part says it was skipped (`nix flake check` runs nixpkgs'
 #            nixfmt through this part too)
+#   commits  every commit subject after the rule's base commit is at most 72 characters
+#            (tests/commit_subjects.sh; in a shallow clone HEAD's only, and it says so)
 #
 # Files: git's tracked files in a checkout; in a plain copy of the source (the flake's build
 # sandbox, which gets exactly the tracked files) every file outside .git, .venv and .cache.
@@ -101,7 +103,7 @@ lint_patches() {
 
 lint_shell() {
     local scripts
-    mapfile -t scripts < <(files '*.sh' .ci/run)
+    mapfile -t scripts < <(files '*.sh' .ci/run .githooks/commit-msg)
     echo "lint: ShellCheck over ${#scripts[@]} shell scripts"
     "$shellcheck" "${scripts[@]}"
 }
@@ -124,13 +126,17 @@ lint_nix() {
     "$nixfmt" --check "${nix_files[@]}"
 }
 
+lint_commits() {
+    "$root/tests/commit_subjects.sh"
+}
+
 parts=("$@")
-if [ ${#parts[@]} -eq 0 ]; then parts=(python patches shell nix); fi
+if [ ${#parts[@]} -eq 0 ]; then parts=(python patches shell nix commits); fi
 for part in "${parts[@]}"; do
     case "$part" in
-        python | patches | shell | nix) "lint_$part" ;;
+        python | patches | shell | nix | commits) "lint_$part" ;;
         *)
-            echo "tests/lint.sh: no part '$part' (python, patches, shell, nix)" >&2
+            echo "tests/lint.sh: no part '$part' (python, patches, shell, nix, commits)" >&2
             exit 2
             ;;
     esac

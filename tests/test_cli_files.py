@@ -132,7 +132,7 @@ def test_run_suite_sh_defaults_to_the_url_of_the_client_tools_and_writes_the_one
 
 
 @pytest.mark.parametrize(
-    "name, module", [("bench-decode", "bench_decode"), ("gsm8k", "gsm8k_eval"), ("trace-split", "trace_split")]
+    "name, module", [("bench-decode", "bench_decode"), ("gsm8k", "gsm8k"), ("trace-split", "trace_split")]
 )
 def test_each_json_schema_takes_its_tools_schema_string_and_the_legacy_one(name, module):
     import importlib

@@ -88,4 +88,4 @@ def test_a_hunk_that_is_not_what_its_source_generates_fails_the_lint(series_029)
 
 def test_an_unknown_part_is_a_usage_error():
     proc = subprocess.run(["bash", str(LINT), "pyton"], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 2 and "no part 'pyton' (python, patches, shell, nix)" in proc.stderr
+    assert proc.returncode == 2 and "no part 'pyton' (python, patches, shell, nix, commits)" in proc.stderr

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.metrics import MetricsSnapshot
 from magpie.serving.process import VllmServer, group_members
 

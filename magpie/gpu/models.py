@@ -1,13 +1,13 @@
 """Tiny models and keep-sets for the GPU harness (see harness.py --help).
 
-Small models are built here, on the CPU machine, with magpie/demo/tiny_models.py (the real config
+Small models are built here, on the CPU machine, with magpie/demo/demo_model.py (the real config
 fields and tensor names) and travel with the patched site tree. Models too large to travel
 (the 248,320-id vocabulary at hidden 2560, the >= 1 GiB PLE table) travel as a *spec*: the
 config, the tokenizer, every tensor's name/shape/dtype, and the values of the small tensors;
 `materialize` writes the checkpoint on the GPU machine from it.
 
 Model kinds (names used by the configurations in harness.py):
-- `inc`: Qwen3.5 + 1 MTP layer, "increment" weights (tiny_models), 4,096 ids, hidden 256:
+- `inc`: Qwen3.5 + 1 MTP layer, "increment" weights (demo_model), 4,096 ids, hidden 256:
   greedy continues next id = previous id + 1 and the draft drafts exactly that.
 - `soft`: `inc` with the head scaled by SOFT_SCALE, so that at temperature 0.7 the next id is
   previous + 1 with probability ~0.66 and otherwise spread over the vocabulary: a real
@@ -55,10 +55,10 @@ SCALE_LAYERS = 64
 SCALE_FILES = 4
 
 
-def _tiny_models():
-    from magpie.demo import tiny_models
+def _demo_model():
+    from magpie.demo import demo_model
 
-    return tiny_models
+    return demo_model
 
 
 def keep_sets(vocab: int = 4096) -> dict:
@@ -84,7 +84,7 @@ def build_small(out: Path) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    tm = _tiny_models()
+    tm = _demo_model()
     out.mkdir(parents=True, exist_ok=True)
     tok = tm.train_tokenizer(out / "tokenizer")
     inc = tm.build_tiny_qwen35(out / "inc", tok, "increment", 4096)
@@ -105,7 +105,7 @@ def build_big_spec(out: Path, tokenizer_dir: Path) -> Path:
     """Spec of the 248,320-id / hidden-2560 increment model (materialized on the GPU machine)."""
     from safetensors.torch import load_file, save_file
 
-    tm = _tiny_models()
+    tm = _demo_model()
     saved = tm.HIDDEN
     tmp = out.parent / (out.name + ".tmp")
     try:
@@ -138,7 +138,7 @@ def materialize_big(spec: Path, out: Path, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    tm = _tiny_models()
+    tm = _demo_model()
     meta = json.loads((spec / "spec.json").read_text())
     small = load_file(str(spec / "small.safetensors"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,7 +176,7 @@ def materialize_scale(tokenizer_dir: Path, out: Path, layers: int = SCALE_LAYERS
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForCausalLM
 
-    tm = _tiny_models()
+    tm = _demo_model()
     eos_id = next(
         t["id"]
         for t in json.loads((tokenizer_dir / "tokenizer.json").read_text())["added_tokens"]

@@ -33,9 +33,9 @@ WITH_QSA = False
 
 
 def text_config(ngram_vocab_size_base: int = TABLE_BASE) -> dict:
-    from magpie.demo import tiny_models
+    from magpie.demo import demo_model
 
-    cfg = tiny_models.qwen4_exp_text_config(
+    cfg = demo_model.qwen4_exp_text_config(
         vocab_size=VOCAB,
         bos_token_id=1,
         eos_token_id=2,
@@ -152,9 +152,9 @@ def build_spec(out: Path, seed: int = 0) -> Path:
     (out / "spec.json").write_text(
         json.dumps({"kind": "qwen4exp", "table_prefix": table_prefix, "shards": SHARDS, "files": FILES})
     )
-    from magpie.demo import tiny_models
+    from magpie.demo import demo_model
 
-    tiny_models.train_tokenizer(out / "tok", VOCAB)
+    demo_model.train_tokenizer(out / "tok", VOCAB)
     for f in (out / "tok").iterdir():
         shutil.move(str(f), out / f.name)
     (out / "tok").rmdir()

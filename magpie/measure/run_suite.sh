@@ -18,7 +18,7 @@
 #   BENCH_ARGS=                 more bench_decode.py arguments (e.g. "--ignore-eos --prompts FILE")
 #   GSM8K=                      GSM8K-format JSONL/parquet; empty: the GSM8K step is skipped (and says so)
 #   GSM8K_LIMIT=                only the first N problems
-#   GSM8K_ARGS=                 more gsm8k_eval.py arguments (e.g. "--max-tokens 512")
+#   GSM8K_ARGS=                 more gsm8k.py arguments (e.g. "--max-tokens 512")
 #   PYTHON=python3              interpreter for the tools (standard library only)
 #
 # Exit status: 0 when every step ran, 1 when a step failed (its error is in OUTDIR/suite.log).

@@ -17,7 +17,7 @@ Inputs (files or folders, read recursively for *.jsonl, *.json, *.txt):
   an object with one of "text", "content", "response", "completion", "output", a JSON
   string, or a list of these;
 - a .json file holding one document: this project's result files (bench_decode.py records'
-  `token_ids`, counted as they are, else their `text`; gsm8k_eval.py records' `reply`), a list
+  `token_ids`, counted as they are, else their `text`; gsm8k.py records' `reply`), a list
   of items, or one item.
 
 `--add-to COUNTS.npy` adds to earlier counts (for example several days of traffic): counts need

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fit an MTP draft keep-set from a folder of the model's generations, end to end.
 
-Reads every result file under the folders given (bench_decode.py and gsm8k_eval.py JSON, chat
+Reads every result file under the folders given (bench_decode.py and gsm8k.py JSON, chat
 logs as JSONL: the formats of count_tokens.py), counts the generated tokens, and writes the
 keep-set for vLLM's `draft_vocab_path`, next to it the counts (`<output stem>.counts.npy`,
 to feed `count_tokens.py --add-to` later) and a JSON summary (`<output>.json`, schema

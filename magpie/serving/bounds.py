@@ -3,7 +3,7 @@
 Each range is an argparse `type` (so a value outside it is a usage error, exit 2, naming the flag
 through argparse's "argument --flag: ..." line) and a plain check for the same rule where a value
 arrives another way (serve.sh's variables in a systemd unit, a pid file). What each bound guards
-against, as found by the hostile review of issue 28:
+against, as found by the second hostile review (of bad inputs):
 
 - a time of 0 turns a poll loop into a busy loop (`--interval 0`: 2.6 s CPU per 3 s), or a judge
   into an executioner (`--probe-timeout 0` stops a healthy idle server);

@@ -4,7 +4,7 @@
   chunk by chunk, with the token counts vLLM reports in every chunk (`continuous_usage_stats`):
   under MTP one chunk carries several tokens, so counting chunks would under-count.
 - `run_requests()`: N such requests at concurrency C, one record each, stopping when the server
-  is gone (the loop of bench_decode and gsm8k_eval).
+  is gone (the loop of bench_decode and gsm8k).
 - `request_timing()` and the statistics: per-request figures as `vllm bench serve` defines them.
 - `server_alive()`: tells a failed request from a dead server.
 - The `/metrics` page is read by `magpie.serving.metrics.MetricsSnapshot`.

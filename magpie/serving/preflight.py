@@ -34,7 +34,6 @@ import glob
 import hashlib
 import importlib.metadata
 import importlib.util
-import inspect
 import json
 import os
 import platform
@@ -132,10 +131,8 @@ def read_keep_ids(path: str, vocab_size: int | None = None, module=None):
 
 def read_raw_keep_ids(module, path: str, max_ids: int | None):
     """The keep-set file's tensor as MODULE reads it, reading no more than MAX_IDS ids (the
-    vocabulary; None: the module's own bound) where the module bounds what it reads (header
-    first: a file that claims more is refused unread). An older patch revision reads it whole."""
-    if "max_ids" not in inspect.signature(module.read_keepset_file).parameters:
-        return module.read_keepset_file(path)
+    vocabulary; None: the module's own bound): the header first, so a file that claims more is
+    refused unread."""
     if max_ids is None:
         return module.read_keepset_file(path)
     return module.read_keepset_file(path, max_ids=max_ids)
@@ -165,8 +162,7 @@ def keep_set_figures(path: str, model: str) -> dict:
     try:
         raw = read_raw_keep_ids(module, path, vocab)
         if is_every_id(raw, vocab):
-            # Checked here as well as in the patch: an older patch revision accepted it, and vLLM then
-            # shared the target's (equal) head and died at the first proposal.
+            # The patch refuses it too; here it is refused before vLLM starts, naming serve.sh's variable.
             raise Refused(
                 f"DRAFT_VOCAB_PATH {path}: keeps all {vocab} ids of {model}'s vocabulary, so nothing is pruned "
                 "(vLLM would share the target's head, and the engine would fail at the first proposal); unset "

@@ -223,12 +223,12 @@ def test_log_proof_and_failure_excerpt_from_a_log():
 
 @pytest.fixture(scope="module")
 def cpu_setup(tmp_path_factory):
-    from magpie.demo import overlay as vllm_overlay
+    from magpie.demo import demo_overlay as vllm_overlay
 
     root = tmp_path_factory.mktemp("gpuh")
     vllm_overlay.make_overlay(root / "site")
-    tok = models._tiny_models().train_tokenizer(root / "models" / "tok")
-    models._tiny_models().build_tiny_qwen35(root / "models" / "inc", tok, "increment", 4096)
+    tok = models._demo_model().train_tokenizer(root / "models" / "tok")
+    models._demo_model().build_tiny_qwen35(root / "models" / "inc", tok, "increment", 4096)
     import numpy as np
 
     (root / "models" / "keep").mkdir()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from magpie import patches
-from magpie.demo.overlay import make_overlay
+from magpie.demo.demo_overlay import make_overlay
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

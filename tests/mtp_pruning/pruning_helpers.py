@@ -142,7 +142,7 @@ def qwen4_exp_dir(folder: Path, tokenizer_dir: Path, tied: bool, vocab_size: int
     import torch
     from safetensors.torch import save_file
 
-    from magpie.demo.tiny_models import qwen4_exp_text_config
+    from magpie.demo.demo_model import qwen4_exp_text_config
 
     folder.mkdir(parents=True)
     config = qwen4_exp_text_config(

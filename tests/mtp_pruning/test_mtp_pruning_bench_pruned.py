@@ -1,4 +1,4 @@
-"""bench-pruned (magpie/mtp_pruning/bench_pruned_vs_unpruned.py) end to end: two real vLLM CPU
+"""bench-pruned (magpie/mtp_pruning/bench_pruned.py) end to end: two real vLLM CPU
 servers of the tiny "increment" model, one after the other, on the overlay with mtp_pruning
 applied; the pruned one with the even ids as keep-set, so its drafts differ measurably.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from magpie.demo.overlay import vllm_env
-from magpie.mtp_pruning import bench_pruned_vs_unpruned
+from magpie.demo.demo_overlay import vllm_env
+from magpie.mtp_pruning import bench_pruned
 from tests.serving.helpers import tool
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def test_both_servers_generate_the_increment_models_greedy_text(bench_run, token
         assert unpruned["token_ids"] == [last + i for i in range(1, MAX_TOKENS + 1)]
         assert pruned["token_ids"] == unpruned["token_ids"] and pruned["tokens"] == MAX_TOKENS
     assert bench_run["result"]["identical_outputs"] is True
-    assert [r["prompt"] for r in records["pruned"]] == bench_pruned_vs_unpruned.PROMPTS[:3]
+    assert [r["prompt"] for r in records["pruned"]] == bench_pruned.PROMPTS[:3]
 
 
 def test_acceptance_shows_the_keep_set(bench_run):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from magpie.demo.overlay import installed_vllm_dir, vllm_env
+from magpie.demo.demo_overlay import installed_vllm_dir, vllm_env
 
 PROBE = Path(__file__).resolve().parent / "cpu_rejection_probe.py"
 # The V1 sampling path from the draft's ids to the output ids: the patch leaves all of it as shipped.

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.process import free_port
 
 PROBE = Path(__file__).resolve().parent / "draft_head_probe.py"

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.process import VllmServer
 from tests.mtp_pruning.pruning_helpers import with_zero_tail_head_row
 

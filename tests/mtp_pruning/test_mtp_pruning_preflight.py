@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from magpie.serving import preflight
 from tests.mtp_pruning.pruning_helpers import run_script, write_malformed_keep_sets
 

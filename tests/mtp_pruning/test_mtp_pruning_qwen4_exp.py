@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from tests.mtp_pruning.pruning_helpers import qwen4_exp_dir
 
 pytestmark = pytest.mark.slow

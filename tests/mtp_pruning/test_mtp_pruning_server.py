@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.metrics import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS, MetricsSnapshot
 from magpie.serving.process import VllmServer
 from tests.mtp_pruning.pruning_helpers import run_script

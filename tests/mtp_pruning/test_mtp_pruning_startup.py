@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.process import VllmServer
 from tests.mtp_pruning.pruning_helpers import MALFORMED_CASES, qwen4_exp_dir, write_malformed_keep_sets
 

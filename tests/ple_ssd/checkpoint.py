@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from magpie.demo.tiny_models import qwen4_exp_text_config
+from magpie.demo.demo_model import qwen4_exp_text_config
 
 PLE_PREFIX = "model.language_model.layers.0.ple."
 TABLE_PREFIX = PLE_PREFIX + "ple_embedding.ngram_embedding."

@@ -15,7 +15,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 
-from magpie.demo.overlay import make_overlay, vllm_env  # noqa: E402
+from magpie.demo.demo_overlay import make_overlay, vllm_env  # noqa: E402
 from tests.ple_ssd.checkpoint import build_ple_checkpoint  # noqa: E402
 
 RUNNER = HERE / "ple_runner.py"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from magpie import releases
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from tests.release_python.tree import each_python_release
 from tests.serving.helpers import tool
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 TESTS = Path(__file__).resolve().parent.parent
 
 from magpie import releases  # noqa: E402
-from magpie.demo.overlay import vllm_env  # noqa: E402
+from magpie.demo.demo_overlay import vllm_env  # noqa: E402
 from tests.mtp_pruning.pruning_helpers import qwen4_exp_dir, with_zero_tail_head_row  # noqa: E402
 from tests.release_python.tree import PYTHON_RELEASES  # noqa: E402
 

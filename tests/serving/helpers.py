@@ -13,7 +13,7 @@ TOOLS = PACKAGE / "serving"  # serve.sh, profiles/
 MEASURE = PACKAGE / "measure"  # run_suite.sh, schemas/
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
-from magpie.demo.overlay import vllm_env  # noqa: E402
+from magpie.demo.demo_overlay import vllm_env  # noqa: E402
 from magpie.serving.process import ServeShServer  # noqa: E402
 
 PYTHON = sys.executable  # the test venv's interpreter, which has the CPU build of vLLM

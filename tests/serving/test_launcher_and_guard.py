@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from magpie import TOOLS, cli
-from magpie.measure import gsm8k_eval, trace_split
+from magpie.measure import gsm8k, trace_split
 from magpie.serving import cgroup, memguard
 from magpie.serving.metrics import MetricsSnapshot
 from magpie.serving.process import group_members
@@ -378,11 +378,11 @@ def test_memguard_parses_sizes():
     ],
 )
 def test_gsm8k_answer_extraction(reply, value, method):
-    assert gsm8k_eval.extract_answer(reply) == (value, method)
+    assert gsm8k.extract_answer(reply) == (value, method)
 
 
 def test_gsm8k_fixture_references_parse(gsm8k_fixture):
-    problems, digest = gsm8k_eval.load_dataset(str(gsm8k_fixture))
+    problems, digest = gsm8k.load_dataset(str(gsm8k_fixture))
     assert len(problems) == 12 and len(digest) == 64
     assert [p["reference"] for p in problems][:3] == [7.0, 15.0, 28.0]
 

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from magpie import patches
-from magpie.demo.overlay import make_overlay, vllm_env
+from magpie.demo.demo_overlay import make_overlay, vllm_env
 from tests.serving.helpers import PYTHON, TESTS, run_tool
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from magpie.serving import launch, manifest
 from tests.serving.helpers import PYTHON, REPO, TOOLS, tool
 

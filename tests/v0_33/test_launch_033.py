@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from magpie.demo.overlay import vllm_env
+from magpie.demo.demo_overlay import vllm_env
 from magpie.serving import launch
 from tests.serving.helpers import tool
 

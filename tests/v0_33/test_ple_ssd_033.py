@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from magpie.demo.tiny_models import qwen4_exp_text_config
+from magpie.demo.demo_model import qwen4_exp_text_config
 from tests.v0_33.tree_033 import sdist_033
 
 HERE = Path(__file__).resolve().parent

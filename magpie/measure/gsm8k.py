@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {
         "schema": SCHEMA,
-        "tool": "gsm8k_eval.py",
+        "tool": "gsm8k.py",
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "label": args.label,
         "status": status,
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         files.atomic_write_json(args.output, result)
     print(
-        f"gsm8k_eval  {args.label}  status={status}  dataset {os.path.basename(args.dataset)} "
+        f"gsm8k  {args.label}  status={status}  dataset {os.path.basename(args.dataset)} "
         f"({total_in_file} problems, sha256 {digest[:12]})"
     )
     print(

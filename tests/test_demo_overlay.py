@@ -1,4 +1,4 @@
-"""The overlay fixture the optimization tests run patched vLLM through (magpie/demo/overlay.py)."""
+"""The overlay fixture the optimization tests run patched vLLM through (magpie/demo/demo_overlay.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from magpie.demo.overlay import make_overlay, vllm_env
+from magpie.demo.demo_overlay import make_overlay, vllm_env
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "patches"
 PROBE = (

@@ -148,7 +148,7 @@ def unit_text(args, vllm_args: list[str]) -> str:
     if not args.user and not USER_NAME.fullmatch(args.run_as):
         raise SystemExit(f"error: --run-as {args.run_as!r}: expected a plain user name")
     lines = [
-        "# Written by `magpie install-service` (magpie/serving/service.py); see docs/service.md.",
+        "# Written by `magpie install-service` (magpie/serving/install_service.py); see docs/service.md.",
         "[Unit]",
         "Description="
         + f"vLLM server {os.path.basename(model)} ({env['PROFILE']}) under serve.sh and memguard run".replace(
