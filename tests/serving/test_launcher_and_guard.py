@@ -163,16 +163,13 @@ def test_serve_sh_refuses_without_model_and_never_overwrites_a_log(tmp_path, tin
 def test_serve_sh_help_shows_the_defaults():
     proc = subprocess.run(["bash", str(SERVE_SH), "--help"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0
-    for default in (
-        "GPU_MEM=0.76",
-        "MAX_NUM_SEQS=4",
-        "MAX_MODEL_LEN=65536",
-        "MTP=3",
-        "PLE=1",
-        "PORT=8100",
-        "HOST=127.0.0.1",
-    ):
+    for default in ("PORT=8100", "HOST=127.0.0.1"):
         assert default in proc.stdout
+    # The default profile's values, as its file holds them (test_serve_sh_profile_list.py: every file).
+    seed = proc.stdout[proc.stdout.index("  seed-gb10 ") :]
+    for value in ("gpu-memory-utilization=0.76", "max-num-seqs=4", "max-model-len=65536", "ple=true"):
+        assert value in seed.split("\n  PROFILE=")[0], value
+    assert "num_speculative_tokens=3" in seed
 
 
 # --------------------------------------------------------------------------------------------
