@@ -153,10 +153,11 @@ class ServerProcess:
     # -- stop
 
     def stop(self, grace: float | None = None) -> int | None:
-        """The stop sequence (pgroup.stop_sequence): SIGTERM (to the group, or to the leader alone
-        unless `term_group`); once the leader exited or `grace` seconds (default: the constructor's)
-        passed, SIGKILL to every process group the server holds that still has a member; then wait
-        until none has. Returns the leader's exit status (None if never started). Safe to call again."""
+        """The stop sequence (pgroup.stop_sequence): SIGTERM and SIGCONT to the server's group (to
+        the leader alone when `term_group` is false); once the leader exited or `grace` seconds
+        (default: the constructor's) passed, SIGKILL to every process group the server holds that
+        still has a member; then wait until none has. Returns the leader's exit status (None if
+        never started). Safe to call again."""
         if self.proc is None:
             return None
         grace = self.grace if grace is None else grace
@@ -171,7 +172,7 @@ class ServerProcess:
                 if proc.poll() is None:  # the leader alone passes the stop on (serve.sh)
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signum)
-            else:  # SIGKILL: every group with a member left
+            else:  # SIGKILL (and under `term_group` every signal): each group with a member left
                 for pgid in live_groups():
                     pgroup.signal_group(pgid, signum)
 
