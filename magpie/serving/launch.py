@@ -17,6 +17,9 @@ the launch plan and run manifest `LOG.launch.json` (magpie/serving/manifest.py) 
 log (a rendering of the manifest), and prints the working directory. `exec PLAN` then becomes the
 server: same PID, the plan's environment, its working directory.
 
+The profile file and serve.sh's variables on it are magpie/serving/profile.py's (re-exported
+here); PLE=1's spelling per vLLM release is magpie/release_ple.py's.
+
 Every check runs in this process (the patch tool's status, computed once, and preflight's
 checks are function calls): between serve.sh and vLLM there is this one Python process and
 `exec`'s. So they describe the vLLM that this interpreter imports: run `plan` under the vLLM
@@ -48,13 +51,25 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 
-from magpie import cli, patches, releases, tool_command
+from magpie import cli, patches, release_ple, releases, tool_command
 from magpie.serving import manifest, preflight
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-PROFILE_DIR = os.path.join(HERE, "profiles")
-DEFAULT_PROFILE = "seed-gb10"
+from magpie.serving.profile import (  # noqa: F401 - re-exported: launch.py is where serve.sh's logic is looked up
+    DEFAULT_PROFILE,
+    PLE_HELD_AS,
+    PROFILE_DIR,
+    PROFILE_SETTINGS,
+    SETTING_LINE,
+    Refused,
+    _env,
+    apply_overrides,
+    available_profiles,
+    expand,
+    load_profile,
+    profile_path,
+    profile_settings,
+)
 
 # Applied to the server's environment on a GB10 (GB10_ENV=auto finds one, 1 forces), each only
 # when you have not set it yourself. The reason is written into the log next to each value.
@@ -78,275 +93,34 @@ GB10_ENVIRONMENT = {
 }
 
 
-class Refused(Exception):
-    pass
-
-
-# --------------------------------------------------------------------------------------------
-# Profiles
-
-
-def profile_path(name_or_path: str) -> str:
-    """A profile name in profiles/ (without .yaml) or a path to a .yaml/.yml file."""
-    if os.sep in name_or_path or name_or_path.endswith((".yaml", ".yml")):
-        path = os.path.abspath(name_or_path)
-    else:
-        path = os.path.join(PROFILE_DIR, name_or_path + ".yaml")
-    if not os.path.isfile(path):
-        known = sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".yaml"))
-        raise Refused(f"PROFILE={name_or_path}: no such profile ({path}); known: {', '.join(known)}, or a .yaml path")
-    return path
-
-
-def available_profiles() -> list[str]:
-    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".yaml"))
-
-
-# serve.sh's own settings of a profile, each with its default: `#:` lines of the file (a YAML
-# mapping once the `#:` is cut), comments to vLLM, so the file stays a `vllm serve --config` file.
-PROFILE_SETTINGS = {
-    # the GB10 environment (GB10_ENVIRONMENT) under GB10_ENV=auto even where nvidia-smi finds no GB10
-    "gb10-environment": False,
-}
-SETTING_LINE = "#:"
-
-
-def profile_settings(path: str) -> dict:
-    """The profile's `#: key: value` lines over PROFILE_SETTINGS' defaults; Refused naming the line's
-    key and the known ones when a setting is unknown or not of its default's type."""
-    import yaml
-
-    with open(path) as f:
-        text = "\n".join(line[len(SETTING_LINE) :] for line in f if line.startswith(SETTING_LINE + " "))
-    try:
-        given = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise Refused(f"profile {path}: its `{SETTING_LINE}` lines are not a YAML mapping: {e}") from None
-    if not isinstance(given, dict):
-        raise Refused(f"profile {path}: its `{SETTING_LINE}` lines must read `{SETTING_LINE} key: value`")
-    settings = dict(PROFILE_SETTINGS)
-    for key, value in given.items():
-        if key not in PROFILE_SETTINGS:
-            raise Refused(
-                f"profile {path}: `{SETTING_LINE} {key}` is no serve.sh setting (known: {', '.join(PROFILE_SETTINGS)})"
-            )
-        if type(value) is not type(PROFILE_SETTINGS[key]):
-            raise Refused(
-                f"profile {path}: `{SETTING_LINE} {key}: {value}`: expected a {type(PROFILE_SETTINGS[key]).__name__}"
-            )
-        settings[key] = value
-    return settings
-
-
-def load_profile(path: str) -> dict:
-    import yaml
-
-    try:
-        with open(path) as f:
-            profile = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise Refused(f"profile {path}: not valid YAML: {e}") from None
-    if profile is None:
-        return {}
-    if not isinstance(profile, dict) or not all(isinstance(k, str) for k in profile):
-        raise Refused(f"profile {path}: expected a mapping of `vllm serve` option names to values")
-    for key in profile:
-        if key.startswith("-") or key in ("model", "model-tag", "host", "port", "config"):
-            raise Refused(
-                f"profile {path}: key {key!r} is not allowed here (write option names without dashes; "
-                "MODEL, HOST and PORT are serve.sh's variables)"
-            )
-        if "_" in key or "." in key:
-            # vLLM reads `speculative_config` and `speculative-config.x` as the same option; serve.sh's
-            # variables and checks read the dashed key only, so another spelling would slip past them.
-            raise Refused(
-                f"profile {path}: key {key!r}: write `vllm serve` option names with dashes and nested values "
-                f"as a mapping (e.g. {key.split('.')[0].replace('_', '-')!r}: {{...}})"
-            )
-    return profile
-
-
-def expand(config: dict) -> list[str]:
-    """Config mapping -> command-line options, as vLLM 0.29.0's FlexibleArgumentParser.load_config_file
-    does (a test compares the two): true -> --key, false -> --no-key, list -> --key a b, mapping ->
-    --key JSON, other -> --key str(value)."""
-    args: list[str] = []
-    for key, value in config.items():
-        if isinstance(value, bool):
-            args.append(f"--{key}" if value else f"--no-{key}")
-        elif isinstance(value, list):
-            if value:
-                args += [f"--{key}", *map(str, value)]
-        elif isinstance(value, dict):
-            args += [f"--{key}", json.dumps(value)]
-        else:
-            args += [f"--{key}", str(value)]
-    return args
-
-
-# --------------------------------------------------------------------------------------------
-# serve.sh's variables on top of a profile
-
-
-def _env(name: str) -> str | None:
-    value = os.environ.get(name, "")
-    return value if value != "" else None
-
-
-def _number(name: str, value: str, kind, low: float, high: float | None = None):
-    try:
-        number = kind(value)
-    except ValueError:
-        raise Refused(f"{name}={value}: expected {'an integer' if kind is int else 'a number'}") from None
-    if number < low or (high is not None and number > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise Refused(f"{name}={value}: expected a value {bound}")
-    return number
-
-
-def apply_overrides(profile: dict) -> tuple[dict, list[str]]:
-    """Apply serve.sh's variables to a copy of the profile; return it and the variables used."""
-    config = json.loads(json.dumps(profile))  # deep copy of plain data
-    used: list[str] = []
-
-    def take(name: str) -> str | None:
-        value = _env(name)
-        if value is not None:
-            used.append(f"{name}={value}")
-        return value
-
-    if (value := take("GPU_MEM")) is not None:
-        config["gpu-memory-utilization"] = _number("GPU_MEM", value, float, 0.01, 1.0)
-    if (value := take("MAX_NUM_SEQS")) is not None:
-        config["max-num-seqs"] = _number("MAX_NUM_SEQS", value, int, 1)
-    if (value := take("MAX_MODEL_LEN")) is not None:
-        config["max-model-len"] = _number("MAX_MODEL_LEN", value, int, 16)
-    if (value := take("KV_CACHE_DTYPE")) is not None:
-        config["kv-cache-dtype"] = value
-
-    spec = dict(config.get("speculative-config") or {})
-    if (value := take("MTP")) is not None:
-        tokens = _number("MTP", value, int, 0)
-        if tokens == 0:
-            spec = {}
-        else:
-            if spec.get("method", "mtp") != "mtp":
-                spec = {}
-            spec.update({"method": "mtp", "num_speculative_tokens": tokens})
-    if (value := take("DRAFT_VOCAB_PATH")) is not None:
-        if not spec:
-            raise Refused(
-                "DRAFT_VOCAB_PATH is set but MTP=0: the pruned draft head is part of MTP; set MTP>0 or unset "
-                "DRAFT_VOCAB_PATH"
-            )
-        spec["draft_vocab_path"] = value
-    if spec:
-        config["speculative-config"] = spec
-    else:
-        config.pop("speculative-config", None)
-
-    if (value := take("PLE")) is not None:
-        if value not in ("0", "1"):
-            raise Refused(f"PLE={value}: expected 1 (table on disk) or 0 (table resident)")
-        config = set_ple(config, PROFILE_PLE_SWITCH, value == "1")
-
-    if (value := take("LANGUAGE_MODEL_ONLY")) is not None:
-        if value not in ("0", "1"):
-            raise Refused(f"LANGUAGE_MODEL_ONLY={value}: expected 1 or 0")
-        if value == "1":
-            config["language-model-only"] = True
-        else:
-            config.pop("language-model-only", None)
-
-    # Names: `none` removes the profile's setting.
-    if (value := take("SERVED_MODEL_NAME")) is not None:
-        if value == "none":
-            config.pop("served-model-name", None)
-        else:
-            config["served-model-name"] = value
-    if (value := take("TOOL_CALL_PARSER")) is not None:
-        if value == "none":
-            config.pop("tool-call-parser", None)
-            config.pop("enable-auto-tool-choice", None)
-        else:
-            config["enable-auto-tool-choice"] = True
-            config["tool-call-parser"] = value
-    if (value := take("REASONING_PARSER")) is not None:
-        if value == "none":
-            config.pop("reasoning-parser", None)
-        else:
-            config["reasoning-parser"] = value
-    return config, used
-
-
 # --------------------------------------------------------------------------------------------
 # Checks before the launch
 
 
-# PLE=1: the n-gram table on disk. It is serve.sh's one name for it; vLLM has a spelling per
-# release, magpie.releases.ple_switch(version) says which: 0.29 reads the ple_ssd patch's
-# `ple_mmap` hf-override; 0.30-0.33 keep the table in vLLM's Engram code and PLE=1 is the patch's
-# Engram storage mode (0.30+ ignores the hf-override, and then pins the whole table in host
-# memory: 102 GB, impossible on a GB10); 0.34 ships the same design as upstream's Engram
-# `disk_offload` mode. Each switch: vLLM's option, the value PLE=1 sets there, and whether the
-# ple_ssd patch must be applied for it.
-PLE_SPELLINGS = {
-    "hf-overrides": ("hf-overrides", {"ple_mmap": True}, True),
-    "engram-config": ("engram-config", {"offload_storage": "mmap"}, True),
-    "engram-disk-offload": ("engram-config", {"disk_offload": True}, False),
-}
-assert set(PLE_SPELLINGS) == set(releases.PLE_SWITCHES)
-PROFILE_PLE_SWITCH = "hf-overrides"  # the spelling profiles are written in (vLLM 0.29.0's)
-
-
-def ple_switch_of(config: dict) -> str | None:
-    """The switch CONFIG turns PLE=1 on with, or None when it is off."""
-    for switch, (option, spelling, _) in PLE_SPELLINGS.items():
-        value = config.get(option) or {}
-        if all(value.get(key) == want for key, want in spelling.items()):
-            return switch
-    return None
-
-
-def set_ple(config: dict, switch: str, on: bool) -> dict:
-    """A copy of CONFIG with PLE=1 on (through SWITCH) or off (through no switch); an option left
-    empty is dropped."""
-    config = dict(config)
-    for option, spelling, _ in PLE_SPELLINGS.values():
-        value = {k: v for k, v in (config.get(option) or {}).items() if k not in spelling}
-        if value:
-            config[option] = value
-        else:
-            config.pop(option, None)
-    if on:
-        option, spelling, _ = PLE_SPELLINGS[switch]
-        config[option] = {**(config.get(option) or {}), **spelling}
-    return config
-
-
-def ple_argument(switch: str) -> str:
-    """PLE=1 as it appears on the command line of SWITCH: --engram-config '{"disk_offload": true}'."""
-    option, spelling, _ = PLE_SPELLINGS[switch]
-    return f"--{option} '{json.dumps(spelling)}'"
+# PLE=1: the n-gram table on disk. It is serve.sh's one name for it (a profile's `#: ple: true`, the
+# PLE variable); vLLM has a spelling per release (magpie/release_ple.py holds them, keyed like
+# releases.PLE_SWITCHES; releases.ple_switch(version) says which one a release reads).
+PLE_SPELLINGS = release_ple.SPELLINGS  # the name magpie.measure.machine reads them by
+ple_switch_of = release_ple.switch_of
+set_ple = release_ple.set_ple
+ple_argument = release_ple.argument
 
 
 def ple_for_release(config: dict, vllm_version: str | None) -> dict:
-    """CONFIG with PLE=1 spelled as the target vLLM reads it (a profile is written in 0.29's)."""
-    switch = ple_switch_of(config)
-    if switch is None or not vllm_version:
+    """CONFIG with PLE=1 (in any release's spelling) spelled as the target vLLM reads it."""
+    if not vllm_version:
         return config
-    wanted = releases.ple_switch(vllm_version)
-    return config if switch == wanted else set_ple(config, wanted, True)
+    return release_ple.respell(config, releases.ple_switch(vllm_version))
 
 
-def ple_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
+def ple_runner_environment(config: dict, env: dict[str, str], environ: Mapping[str, str] | None = None) -> list[str]:
     """PLE=1 through `engram-config` (0.30-0.33) is staged by the V2 model runner only (the patch
     refuses the V1 runner when vLLM builds its config): ask for V2 unless the user chose a runner,
     and refuse V1 here, before vLLM starts. Returns the explanation line (none without it). From
     0.34 the V2 runner is the only one (runner_environment)."""
     if ple_switch_of(config) != "engram-config":
         return []
-    chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    chosen = (os.environ if environ is None else environ).get("VLLM_USE_V2_MODEL_RUNNER")
     if chosen is None or chosen == "":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         return ["VLLM_USE_V2_MODEL_RUNNER=1 (PLE=1 on vLLM 0.30+: the table is staged by the V2 model runner)"]
@@ -358,13 +132,15 @@ def ple_runner_environment(config: dict, env: dict[str, str]) -> list[str]:
     return [f"VLLM_USE_V2_MODEL_RUNNER={chosen} (yours, kept)"]
 
 
-def runner_environment(vllm_version: str | None, env: dict[str, str]) -> list[str]:
+def runner_environment(
+    vllm_version: str | None, env: dict[str, str], environ: Mapping[str, str] | None = None
+) -> list[str]:
     """vLLM 0.34+ has no VLLM_USE_V2_MODEL_RUNNER (the V2 runner is the only one; =1 only warns,
     any other value makes vLLM raise): the plan never sets it there, drops a user's =1 with a
     line saying so, and refuses any other value before vLLM starts."""
     if releases.has_runner_switch(vllm_version):
         return []
-    chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    chosen = (os.environ if environ is None else environ).get("VLLM_USE_V2_MODEL_RUNNER")
     env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     if chosen is None:
         return []
@@ -624,35 +400,50 @@ def is_gb10() -> bool:
     return proc.returncode == 0 and "GB10" in proc.stdout
 
 
-def server_environment(profile: Profile, mode: str, jit_jobs: str) -> tuple[dict[str, str], list[str]]:
-    """The variables to set for the server and one explanation line per variable."""
+@dataclasses.dataclass
+class Gb10Environment:
+    """The GB10 settings of one launch: whether they apply, the variables set, one line per choice."""
+
+    applied: bool
+    env: dict[str, str]
+    lines: list[str]
+
+
+def server_environment(profile: Profile, environ: Mapping[str, str]) -> Gb10Environment:
+    """The GB10 settings for the server under ENVIRON's GB10_ENV and JIT_JOBS (a variable of the
+    GB10 environment that ENVIRON sets already is kept)."""
+    mode, jit_jobs = environ.get("GB10_ENV", "auto"), environ.get("JIT_JOBS", "4")
     if mode not in ("auto", "0", "1"):
         raise Refused(f"GB10_ENV={mode}: expected auto, 1 or 0")
     if not jit_jobs.isdigit() or int(jit_jobs) < 1:
         raise Refused(f"JIT_JOBS={jit_jobs}: expected a positive number of parallel compile jobs")
     if mode == "0":
-        return {}, ["GB10 settings: off (GB10_ENV=0)"]
+        return Gb10Environment(False, {}, ["GB10 settings: off (GB10_ENV=0)"])
     if mode == "auto":
         if is_gb10():
             why = "nvidia-smi reports a GB10"
         elif profile.settings["gb10-environment"]:
             why = f"profile {profile.name}"
         else:
-            return {}, [
-                "GB10 settings: not applied (no GB10 found by nvidia-smi, and the profile does not ask for them: "
-                f"`{SETTING_LINE} gb10-environment: true`)"
-            ]
+            return Gb10Environment(
+                False,
+                {},
+                [
+                    "GB10 settings: not applied (no GB10 found by nvidia-smi, and the profile does not ask for "
+                    f"them: `{SETTING_LINE} gb10-environment: true`)"
+                ],
+            )
     else:
         why = "GB10_ENV=1"
     env, lines = {}, [f"GB10 settings: applied ({why})"]
     for name, (value, reason) in GB10_ENVIRONMENT.items():
         value = value.format(jit_jobs=jit_jobs)
-        if os.environ.get(name):
-            lines.append(f"{name}={os.environ[name]} (yours, kept; the GB10 default is {value}: {reason})")
+        if environ.get(name):
+            lines.append(f"{name}={environ[name]} (yours, kept; the GB10 default is {value}: {reason})")
         else:
             env[name] = value
             lines.append(f"{name}={value} ({reason})")
-    return env, lines
+    return Gb10Environment(True, env, lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -672,14 +463,17 @@ class Profile:
     used: list[str]
 
     @classmethod
-    def resolve(cls, vllm_version: str | None) -> Profile:
-        """PROFILE (default DEFAULT_PROFILE) with serve.sh's variables, for VLLM_VERSION: what `plan`
-        launches and `show` prints."""
-        path = profile_path(_env("PROFILE") or DEFAULT_PROFILE)
+    def resolve(cls, vllm_version: str | None, environ: Mapping[str, str]) -> Profile:
+        """PROFILE (default DEFAULT_PROFILE) with serve.sh's variables, both of ENVIRON, for
+        VLLM_VERSION: what `plan` launches and `show` prints. A profile's `#: ple: true` turns PLE=1
+        on (then spelled for the release), as a release's own spelling in the file does."""
+        path = profile_path(_env("PROFILE", environ) or DEFAULT_PROFILE)
         values = load_profile(path)
-        config, used = apply_overrides(values)
+        settings = profile_settings(path)
+        base = set_ple(values, ple_switch_of(values) or PLE_HELD_AS, True) if settings["ple"] else values
+        config, used = apply_overrides(base, environ)
         name = os.path.basename(path).rsplit(".", 1)[0]
-        return cls(name, path, values, profile_settings(path), ple_for_release(config, vllm_version), used)
+        return cls(name, path, values, settings, ple_for_release(config, vllm_version), used)
 
 
 def bash_quote(argv: list[str]) -> str:
@@ -697,15 +491,26 @@ def user_name() -> str:
         return f"uid {os.getuid()}"
 
 
-def plan(args: argparse.Namespace) -> int:
+def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """Check, write LOG.launch.json and LOG's header, print the working directory. ENVIRON: serve.sh's
+    variables and the environment the server inherits, read once by the caller."""
     python = args.python
     log = os.path.abspath(args.log)
     caller_cwd = os.getcwd()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    if args.supervisor_option:  # serve.sh's `memguard run` options, checked before anything is written
+        from magpie.serving import memguard, supervisor
+
+        try:
+            memguard.check_run_options(args.supervisor_option)
+        except supervisor.RunRefused as e:
+            raise Refused(
+                f"the supervisor's options (MEMGUARD_ARGS, WATCHDOG_ARGS, PID_FILE, STOP_GRACE): {e}"
+            ) from None
     check_mem_hard_limit(args.mem_hard_limit)  # `memguard exec --max` reads it only after LOG is written
     check_log_writable(log)
 
-    model = _env("MODEL")
+    model = _env("MODEL", environ)
     if model is None:
         raise Refused("MODEL is not set: MODEL=/path/to/checkpoint serve.sh LOG")
     if model.startswith(("/", "./", "../")) or os.path.exists(model):
@@ -713,9 +518,9 @@ def plan(args: argparse.Namespace) -> int:
             raise Refused(f"MODEL={model} does not exist")
         model = os.path.abspath(model)  # vLLM runs in another working directory
         check_model_config(model)
-    if os.path.exists(log) and os.path.getsize(log) > 0 and os.environ.get("OVERWRITE", "0") != "1":
+    if os.path.exists(log) and os.path.getsize(log) > 0 and environ.get("OVERWRITE", "0") != "1":
         raise Refused(f"{log} exists; choose another LOG or set OVERWRITE=1")
-    jit_check = os.environ.get("JIT_CHECK", "auto")
+    jit_check = environ.get("JIT_CHECK", "auto")
     if jit_check not in ("auto", "0", "1"):
         raise Refused(f"JIT_CHECK={jit_check}: expected auto, 1 or 0")
     relative = relative_paths_in(extra, caller_cwd)
@@ -726,7 +531,7 @@ def plan(args: argparse.Namespace) -> int:
         )
 
     status = PatchStatus.of_this_interpreter(python)
-    profile = Profile.resolve(status.version)
+    profile = Profile.resolve(status.version, environ)
     config, path = profile.config, profile.path
     check_patches(status, config)
 
@@ -737,11 +542,11 @@ def plan(args: argparse.Namespace) -> int:
         raise Refused(str(e)) from None
     versions = preflight.versions()
 
-    env, env_lines = server_environment(profile, os.environ.get("GB10_ENV", "auto"), os.environ.get("JIT_JOBS", "4"))
-    gb10_env = dict(env)
-    env_lines += ple_runner_environment(config, env)
-    env_lines += runner_environment(status.version, env)
-    pythonpath = os.environ.get("PYTHONPATH", "")
+    gb10 = server_environment(profile, environ)
+    env, env_lines = dict(gb10.env), list(gb10.lines)
+    env_lines += ple_runner_environment(config, env, environ)
+    env_lines += runner_environment(status.version, env, environ)
+    pythonpath = environ.get("PYTHONPATH", "")
     if pythonpath:  # relative entries would point elsewhere from the server's working directory
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in pythonpath.split(os.pathsep))
 
@@ -787,8 +592,8 @@ def plan(args: argparse.Namespace) -> int:
         "mem_hard_limit": args.mem_hard_limit or None,
         "config": config,
         "gb10": {
-            "applied": env_lines[0].startswith("GB10 settings: applied"),
-            "environment": gb10_env,
+            "applied": gb10.applied,
+            "environment": gb10.env,
             "notes": env_lines,
         },
         "checks": checks,
@@ -847,6 +652,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_plan.add_argument("--mem-hard-limit", default="", help="launch through `memguard.py exec --max` (e.g. 110GiB)")
     p_plan.add_argument("--workdir", default="", help="the server's working directory (default: a new empty one)")
+    p_plan.add_argument(
+        "--supervisor-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="one option of the `memguard run` that will supervise the server, checked as `memguard run --check` "
+        "does (give each as --supervisor-option=VALUE)",
+    )
     p_plan.add_argument("extra", nargs=argparse.REMAINDER, help="-- more `vllm serve` arguments (they come last)")
     p_exec = sub.add_parser("exec", help="become the server a plan describes")
     p_exec.add_argument("plan", help="LOG.launch.json")
@@ -859,14 +672,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
-            return plan(args)
+            return plan(args, dict(os.environ))
         if args.command == "exec":
             return exec_plan(args.plan)
         if args.command == "profiles":
             for name in available_profiles():
                 print(f"{name:16s} {profile_path(name)}")
             return 0
-        profile = Profile.resolve(PatchStatus.of_this_interpreter(sys.executable).version)
+        profile = Profile.resolve(PatchStatus.of_this_interpreter(sys.executable).version, dict(os.environ))
         print(shlex.join(expand(profile.config)))
         return 0
     except Refused as e:

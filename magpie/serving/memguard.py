@@ -66,9 +66,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import io
 import os
 import re
 import shutil
@@ -539,7 +541,7 @@ def default_options() -> argparse.Namespace:
     return parser.parse_args([])
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("magpie memguard", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p_watch = sub.add_parser("watch", help="stop the server with PID when memory runs short (see the signals above)")
@@ -566,6 +568,24 @@ def main(argv: list[str] | None = None) -> int:
     p_exec = sub.add_parser("exec", help="run a command under a cgroup v2 hard memory limit")
     p_exec.add_argument("--max", type=cli.parse_size, required=True, help="memory.max of the new cgroup, e.g. 110GiB")
     p_exec.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command and its arguments")
+    return parser
+
+
+def check_run_options(options: list[str]) -> None:
+    """What `memguard run --check OPTIONS -- true` checks (the options, the watchdog's, the pid
+    file), in this process: `launch plan` runs it for serve.sh. supervisor.RunRefused with one line."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = build_parser().parse_args(["run", *options, "--", "true"])
+    except SystemExit:
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        raise supervisor.RunRefused(lines[-1].split("error: ", 1)[-1] if lines else "not accepted") from None
+    supervisor.check_run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     cmd = args.cmd[1:] if getattr(args, "cmd", [])[:1] == ["--"] else getattr(args, "cmd", [])

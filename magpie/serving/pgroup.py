@@ -10,10 +10,12 @@ it), and a stop then reaches that whole group and nothing else:
     server.alive()                           # the same process, still running
     server.stop(reason, grace, log, "the watchdog")
 
-The stop sequence, here once for the memory guard, the watchdog, the supervisor (`memguard run`)
-and `ServerProcess`: SIGTERM and SIGCONT (a stopped or traced process acts on SIGTERM only once it
-is continued), up to `grace` seconds for it to end, SIGKILL to what is left of the group, and up to
-30 s for the group to empty (`stop_group`).
+The stop sequence, here once (`stop_sequence`) for the memory guard, the watchdog, the supervisor
+(`memguard run`) and `ServerProcess`: SIGTERM and SIGCONT (a stopped or traced process acts on
+SIGTERM only once it is continued), up to `grace` seconds for it to end, SIGKILL to what is left of
+the group, and up to 30 s for the group to empty. `stop_group` runs it on a process group,
+`Server.stop` on a server named by PID; nothing else in magpie/serving sends SIGKILL
+(tests/serving/test_one_stop_sequence.py holds that).
 
 - `start_time(pid)`, `group_of(pid)`, `group_members(pgid)`, `rss_bytes(pid)`: read from /proc.
 - `signal_group(pgid, *signals)`: signals to a group that may be gone already.
@@ -42,6 +44,7 @@ __all__ = [
     "signal_group",
     "start_time",
     "stop_group",
+    "stop_sequence",
     "watch",
 ]
 
@@ -134,22 +137,25 @@ def wait_until(done: Callable[[], bool], deadline: float, poll: float = 0.1) -> 
     return True
 
 
-def _sequence(
+def stop_sequence(
     send: Callable[[int], None],
     running: Callable[[], bool],
     left: Callable[[], list[int]],
     grace: float,
-    since: float | None,
-    term: bool,
-    on_kill: Callable[[list[int]], None] | None,
+    *,
+    since: float | None = None,
+    first: int | None = signal.SIGTERM,
+    on_kill: Callable[[list[int]], None] | None = None,
 ) -> bool:
-    """TERM -> grace -> KILL: SIGTERM and SIGCONT through SEND (unless TERM is false: the caller sent its
-    own first signal), up to GRACE seconds from SINCE (default: now) for RUNNING() to turn false,
-    then, where LEFT() still names processes, ON_KILL(them), SIGKILL and up to KILL_WAIT_S for them to
-    go. Returns whether SIGKILL was sent."""
+    """The one stop sequence: FIRST (SIGTERM; SIGINT where a Ctrl-C is passed on; None when the
+    caller sent its own first signal) and SIGCONT through SEND, up to GRACE seconds from SINCE
+    (default: now) for RUNNING() to turn false, then, where LEFT() still names processes,
+    ON_KILL(them), SIGKILL through SEND and up to KILL_WAIT_S for LEFT() to empty. Returns whether
+    SIGKILL was sent. Every stop of a server goes through here (`Server.stop`, `stop_group`, the
+    supervisor, `ServerProcess.stop`)."""
     since = time.monotonic() if since is None else since
-    if term:
-        send(signal.SIGTERM)
+    if first is not None:
+        send(first)
         send(signal.SIGCONT)
     wait_until(lambda: not running(), since + grace)
     remaining = left()
@@ -168,11 +174,11 @@ def stop_group(
     *,
     running: Callable[[], bool] | None = None,
     since: float | None = None,
-    term: bool = True,
+    first: int | None = signal.SIGTERM,
     on_kill: Callable[[list[int]], None] | None = None,
 ) -> bool:
-    """Stop process group PGID: the stop sequence (see the module's text), waiting for RUNNING()
-    (default: the group has a live member) to turn false. Returns whether SIGKILL was needed."""
+    """Stop process group PGID: `stop_sequence` on the group, waiting for RUNNING() (default: the
+    group has a live member) to turn false. Returns whether SIGKILL was needed."""
 
     def members() -> list[int]:
         return group_members(pgid)
@@ -180,7 +186,9 @@ def stop_group(
     def send(signum: int) -> None:
         signal_group(pgid, signum)
 
-    return _sequence(send, running or (lambda: bool(members())), members, grace, since, term, on_kill)
+    return stop_sequence(
+        send, running or (lambda: bool(members())), members, grace, since=since, first=first, on_kill=on_kill
+    )
 
 
 def watch(tool: str, make: Callable[[], object]) -> int:
@@ -273,7 +281,7 @@ class Server:
                 log(f"server PID {self.pid} still alive after {grace:g} s: SIGKILL to {self.target()}")
 
         try:
-            _sequence(self.signal, self.alive, self.members, grace, None, True, on_kill)
+            stop_sequence(self.signal, self.alive, self.members, grace, on_kill=on_kill)
         except CannotSignal as e:
             log(f"{who} could NOT stop server PID {self.pid}: {e}; it still runs")
             raise

@@ -153,26 +153,38 @@ class ServerProcess:
     # -- stop
 
     def stop(self, grace: float | None = None) -> int | None:
-        """SIGTERM; after `grace` seconds (default: the constructor's) SIGKILL to every process
-        group the server holds; then wait until none of them has a live process. Returns the
-        leader's exit status (None if never started). Safe to call again."""
+        """The stop sequence (pgroup.stop_sequence): SIGTERM and SIGCONT to the server's group (to
+        the leader alone when `term_group` is false); once the leader exited or `grace` seconds
+        (default: the constructor's) passed, SIGKILL to every process group the server holds that
+        still has a member; then wait until none has. Returns the leader's exit status (None if
+        never started). Safe to call again."""
         if self.proc is None:
             return None
         grace = self.grace if grace is None else grace
-        if self.proc.poll() is None:
-            if self.term_group:
-                pgroup.signal_group(self.proc.pid, signal.SIGTERM, signal.SIGCONT)
-            else:
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=grace)
-        for pgid in self.process_groups():
+        proc = self.proc
+
+        def live_groups() -> list[int]:
             # Only a group that still has a member is signalled: its PGID cannot have been reused by now.
-            pgroup.stop_group(pgid, 0, term=False)
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=30)
-        return self.proc.returncode
+            return [pgid for pgid in dict.fromkeys(self.process_groups()) if pgroup.group_members(pgid)]
+
+        def send(signum: int) -> None:
+            if signum in (signal.SIGTERM, signal.SIGCONT) and not self.term_group:
+                if proc.poll() is None:  # the leader alone passes the stop on (serve.sh)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signum)
+            else:  # SIGKILL (and under `term_group` every signal): each group with a member left
+                for pgid in live_groups():
+                    pgroup.signal_group(pgid, signum)
+
+        def left() -> list[int]:
+            return [pid for pgid in live_groups() for pid in pgroup.group_members(pgid)]
+
+        pgroup.stop_sequence(
+            send, lambda: proc.poll() is None, left, grace, first=signal.SIGTERM if proc.poll() is None else None
+        )
+        if proc.poll() is None:
+            proc.wait(timeout=30)
+        return proc.returncode
 
     def __enter__(self) -> ServerProcess:
         return self.start()

@@ -5,12 +5,9 @@
 #
 # usage: MODEL=/path/to/checkpoint [PROFILE=seed-gb10] magpie/serving/serve.sh LOG [extra `vllm serve` args...]
 #
-# Profiles (magpie/serving/profiles/NAME.yaml, `vllm serve --config` files):
-#   seed-gb10 (default)  the measured GB10 configuration: GPU_MEM=0.76 MAX_NUM_SEQS=4 MAX_MODEL_LEN=65536
-#                        MTP=3 PLE=1 LANGUAGE_MODEL_ONLY=1, no parsers
-#   gb10-community       FP8 KV cache, 262,144 context, 8 sequences, MTP=3, no FlashInfer autotune,
-#                        qwen3_xml tool calls, qwen3 reasoning, served as qwen3.8-flash-next
-#   hopper               one H200: GPU_MEM=0.9, 16 sequences, FP8 KV, 262,144 context, parsers
+# Profiles (magpie/serving/profiles/NAME.yaml, `vllm serve --config` files; seed-gb10 is the default),
+# each with the first words of its file and its values, read from the files as --help runs:
+#   @PROFILES@
 #   PROFILE=/path/x.yaml any file of that format
 #
 # Environment (empty = the profile's value):
@@ -65,8 +62,42 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 pkg=$(dirname "$here") # the magpie package: `python3 "$pkg" TOOL` runs one of its tools
 
+# One entry per file of profiles/: its name, its first comment paragraph up to its first `: ` or `. `, and its
+# values (`#:` settings, top-level keys, one level of nesting as key.sub) as `key=value` words.
+list_profiles() {
+  local file name
+  for file in "$here"/profiles/*.yaml; do
+    [ -f "$file" ] || continue
+    name=$(basename "$file" .yaml)
+    awk -v name="$name" 'BEGIN { open = 1 }
+      open && /^# ./ && !/^#: / { line = $0; sub(/^# */, "", line); what = what " " line; next }
+      { open = 0 }
+      /^#: / { sub(/^#: */, ""); sub(/: */, "="); values = values " " $0; next }
+      /^#/ || /^[ \t]*$/ { next }
+      /^[^ \t]/ {
+        parent = $0; sub(/:.*/, "", parent); value = $0; sub(/^[^:]*: */, "", value)
+        if (value != "") values = values " " parent "=" value
+        next
+      }
+      { line = $0; sub(/^[ \t]*/, "", line); sub(/: */, "=", line); values = values " " parent "." line }
+      END {
+        sub(/^ *[^ :]*: */, "", what); sub(/(: |\. ).*/, "", what)
+        printf "  %-20s %s\n", name, what
+        n = split(substr(values, 2), words, " "); line = ""
+        for (i = 1; i <= n; i++) {
+          if (length(line) + length(words[i]) > 72) { print "                         " line; line = "" }
+          line = line (line == "" ? "" : " ") words[i]
+        }
+        if (line != "") print "                         " line
+      }' "$file"
+  done
+}
+
 usage() {
-  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
+  local line
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//' | while IFS= read -r line; do
+    if [ "$line" = "  @PROFILES@" ]; then list_profiles; else printf '%s\n' "$line"; fi
+  done
 }
 
 die() {
@@ -132,8 +163,8 @@ export PATH
 # forks into), writes PID_FILE, guards it (MEMGUARD=0: --no-guard, the same path), starts the
 # watchdog on it, restarts it under WATCHDOG=restart, and stops its group on SIGTERM (SIGKILL
 # after STOP_GRACE). Its options (MEMGUARD_ARGS, WATCHDOG_ARGS) and PID_FILE are checked first
-# (`memguard run --check`), before anything is written: a PID_FILE that is not one of ours (a
-# file of yours, a PID now of another process) is refused and left as it is.
+# (by `launch plan`, as `memguard run --check` would), before anything is written: a PID_FILE that
+# is not one of ours (a file of yours, a PID now of another process) is refused and left as it is.
 sup=(--pid-file "$PID_FILE" --output "$log" --log "$log" --grace "$STOP_GRACE")
 if [ "$MEMGUARD" = 1 ]; then
   sup+=(--min-available "$MEMGUARD_MIN_AVAILABLE" --server-log "$log" "${memguard_args[@]}")
@@ -144,19 +175,17 @@ if [ "$WATCHDOG" != 0 ]; then
   sup+=(--watchdog "$WATCHDOG" --watchdog-url "http://$HOST:$PORT" --restarts "$WATCHDOG_RESTARTS")
   sup+=("--watchdog-args=$WATCHDOG_ARGS")
 fi
-if ! refusal=$("$python" "$pkg" memguard run --check "${sup[@]}" -- true 2>&1 >/dev/null); then
-  refusal=${refusal%$'\n'}
-  refusal=${refusal##*$'\n'}                  # argparse's usage lines: its last line says what
-  refusal=${refusal#memguard run: error: }
-  refusal=${refusal#magpie memguard: error: }
-  die "the supervisor's options (MEMGUARD_ARGS, WATCHDOG_ARGS, PID_FILE, STOP_GRACE): ${refusal#magpie memguard run: error: }"
-fi
+sup_checks=()
+for option in "${sup[@]}"; do
+  sup_checks+=("--supervisor-option=$option")
+done
 
-# ---- profile, overrides, checks, log header, launch plan (exit 1 with the reason on a refusal)
-# One Python process, all checks in it; LOG.launch.json is both the plan `launch exec` runs and the
-# run manifest (magpie/serving/manifest.py) that log_check and report read.
+# ---- the supervisor's options, profile, overrides, checks, log header, launch plan (exit 1 with the
+# reason on a refusal). One Python process, all checks in it (`memguard run --check`'s too);
+# LOG.launch.json is both the plan `launch exec` runs and the run manifest
+# (magpie/serving/manifest.py) that log_check and report read.
 workdir=$("$python" "$pkg" launch plan --log "$log" --host "$HOST" --port "$PORT" --python "$python" \
-  --mem-hard-limit "$MEM_HARD_LIMIT" --workdir "${WORKDIR:-}" -- "$@") || exit 1
+  --mem-hard-limit "$MEM_HARD_LIMIT" --workdir "${WORKDIR:-}" "${sup_checks[@]}" -- "$@") || exit 1
 plan="$log.launch.json"
 
 echo "serve.sh: serving on http://$HOST:$PORT, log $log, PID file $PID_FILE" >&2

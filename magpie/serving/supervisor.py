@@ -95,8 +95,7 @@ class Supervisor:
         self.guard = guard
         self.child: subprocess.Popen | None = None
         self.stopping = False
-        self.killer: threading.Timer | None = None
-        self.term_sent_at: float | None = None
+        self.stopper: threading.Thread | None = None  # the stop sequence of a stop under way
         self.engine_death: str | None = None
         self.served = False
         self.helper_died: str | None = None  # the watchdog or the memory guard died while the server ran
@@ -111,34 +110,45 @@ class Supervisor:
         child = self.child
         if child is None or child.poll() is not None:
             return
-        pgroup.signal_group(child.pid, signum, signal.SIGCONT)
-        if self.term_sent_at is None:
-            self.term_sent_at = time.monotonic()
-        if self.killer is None:
-            # vLLM can hang in its own shutdown (seen when a stop came while the engine was
-            # starting): a stop must end, so the group gets SIGKILL once the grace time has passed.
-            self.killer = threading.Timer(self.args.grace, self.kill_late, (child,))
-            self.killer.daemon = True
-            self.killer.start()
+        if self.stopper is not None:  # a stop runs already: pass the signal on, its timing holds
+            pgroup.signal_group(child.pid, signum, signal.SIGCONT)
+            return
+        # vLLM can hang in its own shutdown (seen when a stop came while the engine was starting): a
+        # stop must end, so the stop sequence runs in a thread of its own, SIGKILL once --grace passed.
+        self.stopper = threading.Thread(target=self.stop_server, args=(child, signum, time.monotonic()), daemon=True)
+        self.stopper.start()
 
-    def kill_late(self, child: subprocess.Popen) -> None:
-        if child.poll() is None:
-            self.log(f"server PID {child.pid} still running {self.args.grace:g} s after SIGTERM: SIGKILL to its group")
-            pgroup.signal_group(child.pid, signal.SIGKILL)
+    def stop_server(self, child: subprocess.Popen, signum: int, since: float) -> None:
+        """The stop sequence on the server's group (SIGNUM, the signal this supervisor got, first):
+        until the whole group is gone, SIGKILL to what is left --grace seconds after SINCE."""
+        grace = self.args.grace
+
+        def on_kill(left: list[int]) -> None:
+            if pgroup.start_time(child.pid) is not None and child.returncode is None:
+                self.log(f"server PID {child.pid} still running {grace:g} s after SIGTERM: SIGKILL to its group")
+            else:
+                self.group_left_message(child.pid, left)
+
+        pgroup.stop_group(child.pid, grace, since=since, first=signum, on_kill=on_kill)
+
+    def group_left_message(self, pgid: int, left: list[int]) -> None:
+        self.log(
+            f"{len(left)} process(es) of the server's group {pgid} (PIDs {' '.join(map(str, left))}) still "
+            f"running {self.args.grace:g} s after the server stopped: SIGKILL to the group"
+        )
 
     def group_left(self, pgid: int, since: float) -> None:
         """After the server (the group's leader) exited: the stop sequence for what is left of its
         group (vLLM's engine core and workers outlive a killed API server), SIGKILL once --grace
-        seconds have passed since SINCE (the first SIGTERM of a stop, or the leader's exit)."""
-
-        def on_kill(left: list[int]) -> None:
-            self.log(
-                f"{len(left)} process(es) of the server's group {pgid} (PIDs {' '.join(map(str, left))}) still "
-                f"running {self.args.grace:g} s after the server stopped: SIGKILL to the group"
-            )
-
+        seconds have passed since SINCE (the leader's exit). A stop already under way (`stop_server`)
+        finishes it instead."""
+        if self.stopper is not None:
+            self.stopper.join()
+            return
         if pgroup.group_members(pgid):
-            pgroup.stop_group(pgid, self.args.grace, since=since, on_kill=on_kill)
+            pgroup.stop_group(
+                pgid, self.args.grace, since=since, on_kill=lambda left: self.group_left_message(pgid, left)
+            )
 
     # -- one start
 
@@ -211,6 +221,7 @@ class Supervisor:
         output = self.args.output or self.args.server_log
         follower = LogFollower(output, from_start=False) if output else None
         self.engine_death, self.served, self.helper_died = None, False, None
+        self.stopper = None
         child = self.child = self.start()
         guard_thread, guard_status = self.start_guard(child.pid)
         watchdog = self.watchdog(child.pid)
@@ -233,8 +244,7 @@ class Supervisor:
                 self.stopping = False  # not a stop asked for: outcome() reports it
         if watchdog_died is not None:
             self.helper_died = f"the watchdog died (status {watchdog_died})"
-        exited = time.monotonic()
-        self.group_left(child.pid, self.term_sent_at if self.term_sent_at is not None else exited)
+        self.group_left(child.pid, time.monotonic())
         self.read_output(follower)
         if guard_thread is not None:
             guard_thread.join()
@@ -314,8 +324,6 @@ class Supervisor:
                     return status
                 restarts += 1
         finally:
-            if self.killer is not None:
-                self.killer.cancel()
             if self.args.pid_file and self.child is not None:
                 pidfile.remove_if_ours(self.args.pid_file, self.child.pid)
 

@@ -97,7 +97,9 @@ def test_community_profile_has_what_gb10_owners_run(serve_parser):
     assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
     assert args.enable_flashinfer_autotune is False
     assert args.enable_auto_tool_choice and args.tool_call_parser == "qwen3_xml" and args.reasoning_parser == "qwen3"
-    assert args.served_model_name == ["qwen3.8-flash-next"] and args.hf_overrides == {"ple_mmap": True}
+    assert args.served_model_name == ["qwen3.8-flash-next"]
+    # PLE=1 is serve.sh's `#: ple: true`, spelled per release by `launch` (vLLM's own --config skips it).
+    assert launch.profile_settings(launch.profile_path("gb10-community"))["ple"] is True
 
 
 def _overrides(monkeypatch, profile: str, **env: str) -> dict:
@@ -585,17 +587,17 @@ def test_serve_sh_starts_no_python_before_vllm_but_launch_plan_and_the_superviso
     )
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "wrapper-calls.log").read_text().splitlines()
-    expected = [["memguard", "run"], ["launch", "plan"], ["memguard", "run"], ["launch", "exec"]]
+    expected = [["launch", "plan"], ["memguard", "run"], ["launch", "exec"]]
     assert [c.split()[1:3] for c in calls] == expected, calls
-    assert " run --check " in calls[0] and " --check " not in calls[2], calls
-    # Three interpreters started: `memguard run --check` (the supervisor's options and PID_FILE,
-    # checked before LOG is written), `launch plan`, and `memguard run` (the supervisor, beside
-    # vLLM for the server's whole life: MEMGUARD=0 and WATCHDOG=0 take the same path, with no
-    # guard and no watchdog); `launch exec` stopped in the wrapper where it would become vLLM.
+    assert " --supervisor-option=--no-guard " in calls[0] and " --check " not in calls[1], calls
+    # Two interpreters started: `launch plan` (which checks the supervisor's options and PID_FILE
+    # too, before LOG is written) and `memguard run` (the supervisor, beside vLLM for the server's
+    # whole life: MEMGUARD=0 and WATCHDOG=0 take the same path, with no guard and no watchdog);
+    # `launch exec` stopped in the wrapper where it would become vLLM.
     started = starts.read_text().splitlines()
-    assert len(started) == 3, started
-    assert " memguard run " in started[0] and " launch plan " in started[1] and " memguard run " in started[2]
-    assert " --no-guard " in started[2] and " --watchdog " not in started[2], started
+    assert len(started) == 2, started
+    assert " launch plan " in started[0] and " memguard run " in started[1]
+    assert " --no-guard " in started[1] and " --watchdog " not in started[1], started
     record = manifest.load(log)
     assert set(manifest.patch_states(record).values()) == {"applied"}
     assert record["checks"]["keep_set"]["path"] == str(keep)
@@ -710,4 +712,4 @@ def test_a_profile_declares_the_gb10_environment_its_file_name_does_not(tmp_path
     wrong.write_text("#: gb10: true\n" + hopper)
     (tmp_path / "server.log").unlink()
     proc, _, _ = _plan(tmp_path, tiny_mtp_model, None, PROFILE=str(wrong))
-    assert proc.returncode == 1 and "`#: gb10` is no serve.sh setting (known: gb10-environment)" in proc.stderr
+    assert proc.returncode == 1 and "`#: gb10` is no serve.sh setting (known: gb10-environment, ple)" in proc.stderr
