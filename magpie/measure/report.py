@@ -410,7 +410,7 @@ def line_chart(lines: list[tuple[str, list[tuple[float, float]]]], x_label: str,
     return "".join(parts)
 
 
-SWEEP_VERSIONS = (3, 2, 1)
+SWEEP_VERSIONS = (4, 3, 2, 1)
 
 
 def load_sweep(folder: str) -> dict:
@@ -423,6 +423,41 @@ def load_sweep(folder: str) -> dict:
         raise SystemExit(f"error: {folder}/{files.SWEEP_RESULTS} is missing or not a sweep.py result ({wanted})")
     document["folder"] = folder
     return document
+
+
+def keepset_section(section: dict | None) -> list[str]:
+    """A keep-set sweep's table (sweep/4): per keep-set and point, the corpus coverage, acceptance
+    and decode tok/s median [min - max]; then the best keep-set per point."""
+    if not section:
+        return []
+    body = [
+        "<h4>Keep-set sizes (one server start per keep-set)</h4>",
+        "<table><tr><th>keep-set</th><th>ids</th><th>corpus coverage</th><th>input</th><th>c</th>"
+        "<th>repeats</th><th>acceptance L</th><th>per position</th><th>decode tok/s median [min - max]</th></tr>",
+    ]
+    for row in section["rows"]:
+        coverage = "-" if row.get("corpus_coverage") is None else f"{100 * row['corpus_coverage']:.2f} %"
+        positions = " ".join(f"{x:.2f}" for x in row.get("per_position_acceptance") or []) or "-"
+        depth = f" (depth {row['depth']})" if row.get("depth") else ""
+        body.append(
+            f"<tr><td>{_e(row['config'] + depth)}{' (best)' if row.get('best') else ''}</td>"
+            f"<td class=n>{row['keep_ids']}</td><td class=n>{coverage}</td>"
+            f"<td class=n>{row['input_len']}</td><td class=n>{row['concurrency']}</td>"
+            f"<td class=n>{row['repeats']}</td><td class=n>{_fmt(row['acceptance_length'], '.2f')}</td>"
+            f"<td>{positions}</td><td class=n>{_fmt(row['decode_tok_s_median'])} "
+            f"[{_fmt(row['decode_tok_s_min'])} - {_fmt(row['decode_tok_s_max'])}]</td></tr>"
+        )
+    body.append("</table>")
+    for best in section["best"]:
+        versus = best["versus_runner_up"]
+        if best.get("runner_up"):
+            versus = f"against the runner-up {best['runner_up']}: {versus}"
+        body.append(
+            f'<p class="note">Best keep-set at input {best["input_len"]}, c={best["concurrency"]}: '
+            f"{_e(best['config'])} ({best['keep_ids']} ids), {_fmt(best['decode_tok_s_median'])} tok/s median; "
+            f"{_e(versus)}.</p>"
+        )
+    return body
 
 
 def sweep_section(sweep: dict) -> list[str]:
@@ -464,6 +499,7 @@ def sweep_section(sweep: dict) -> list[str]:
             f"<td class=n>{_fmt(row['acceptance_length'], '.2f')}</td></tr>"
         )
     body.append("</table>")
+    body += keepset_section(sweep.get("keepset_sweep"))  # version 4 on
     if files.schema_of(sweep["schema"]) == ("sweep", 1):
         body.append(
             f'<p class="note">This sweep was written by an older sweep.py ({_e(sweep["schema"])}): it has no decode '

@@ -685,6 +685,7 @@ def test_report_reads_sweeps_under_the_legacy_and_the_current_schema_prefix(tmp_
         ("magpie/sweep/1", True),
         ("magpie/sweep/2", False),
         ("magpie/sweep/3", False),
+        ("magpie/sweep/4", False),
         ("flash-next/sweep/2", False),
     ):
         folder = tmp_path / schema.replace("/", "-")
@@ -693,8 +694,9 @@ def test_report_reads_sweeps_under_the_legacy_and_the_current_schema_prefix(tmp_
         (folder / "results.json").write_text(json.dumps(document))
         page = "".join(report.sweep_section(report.load_sweep(str(folder))))
         assert ("written by an older sweep.py" in page) is older, schema
-    (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/4"}))
+    (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/5"}))
     with pytest.raises(
-        SystemExit, match=r"not a sweep.py result \(magpie/sweep/3 or magpie/sweep/2 or magpie/sweep/1\)"
+        SystemExit,
+        match=r"not a sweep.py result \(magpie/sweep/4 or magpie/sweep/3 or magpie/sweep/2 or magpie/sweep/1\)",
     ):
         report.load_sweep(str(folder))
