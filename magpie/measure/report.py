@@ -251,10 +251,18 @@ def versus_first(first: dict, run: dict) -> str:
     return common.compare(decode_spread(first), decode_spread(run))
 
 
+def spread_text(figures: dict | None) -> str:
+    """ "median [min - max] (n)" of a figure over repeats; "-" without repeats' figures."""
+    if not figures:
+        return "-"
+    return f"{figures['median']:.1f} [{figures['min']:.1f} - {figures['max']:.1f}] ({figures['n']})"
+
+
 def compare_text(runs: list[dict]) -> str:
     header = [
         "configuration",
         "c=1 decode tok/s per request",
+        "c=1 median [min - max] (repeats)",
         "c=1 decode vs first (repeats)",
         "c=4 aggregate tok/s, all requests",
         "accept. L",
@@ -268,6 +276,7 @@ def compare_text(runs: list[dict]) -> str:
             [
                 run["label"],
                 _fmt(run["c1_decode_tok_s"]),
+                spread_text(decode_spread(run)),
                 "(reference)" if run is runs[0] else versus_first(runs[0], run),
                 _fmt(run["c4_aggregate_tok_s"]),
                 _fmt(run["acceptance_length"], ".2f"),
@@ -282,8 +291,9 @@ def compare_text(runs: list[dict]) -> str:
     out += ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     out.append(
         "c=1 decode: one request at a time, its tokens after the first over its decode time (the engine's "
-        "timestamps); c=4 aggregate: four requests in flight, all output tokens over the run's wall time; "
-        "vs first: 'within noise' when the repeats' min..max ranges overlap (run_suite.sh REPEATS=3)."
+        "timestamps, pooled over the repeats), then its median [min - max] over the repeats; c=4 aggregate: "
+        "four requests in flight, all output tokens over the run's wall time; vs first: 'within noise' when the "
+        "repeats' min..max ranges overlap (run_suite.sh and scripts/demo.sh run REPEATS=3 by default)."
     )
     if any(run["counting_model"] and run["gsm8k_accuracy"] is not None for run in runs):
         out.append(COUNTING_MODEL_NOTE)

@@ -925,6 +925,7 @@ def run_point(
         "-c", str(concurrency),
         "--max-tokens", str(args.output_len),
         "--warmup", "0",
+        "--repeats", "1",  # one run per file: the sweep's own --repeats makes the repeats
         "--ignore-eos",
         "--prompts", prompt_file,
         "--timeout", str(args.timeout),
