@@ -1,7 +1,8 @@
 """The keep-set size sweep: `magpie sweep --keepset-sizes ... --corpus FILE` against real servers.
 
 One test launches the real patched vLLM (CPU build, the tiny Qwen3.5 + MTP "increment" model)
-through serve.sh once per keep-set: two small sizes, one repeat, one short run each. The others
+through serve.sh once per keep-set: two small sizes, one repeat, one short run each, eager
+(--enforce-eager: no torch.compile, the bulk of a CPU server's start under load). The others
 need no server: the refusals come before any server starts, and fit-keepset's .json output is
 read back by the mtp_pruning patch's own reader.
 """
@@ -42,7 +43,7 @@ def test_keepset_size_sweep_starts_one_server_per_size_and_names_the_best(
         run_dir, "--model", str(tiny_mtp_model), "--keepset-sizes", ",".join(map(str, SIZES)),
         "--corpus", str(corpus), "--input-lens", "64", "--concurrency", "1", "--repeats", "1",
         "--output-len", "12", "--prompts-per-point", "1", "--min-free", "1GiB",
-        "--serve-arg=--no-enable-prefix-caching", env=env,
+        "--serve-arg=--no-enable-prefix-caching", "--serve-arg=--enforce-eager", env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "one server start each (vLLM loads the keep-set at start)" in proc.stderr
