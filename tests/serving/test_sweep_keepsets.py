@@ -24,7 +24,18 @@ SIZES = (256, 2048)
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "generations.txt"
+    """Generations as a bench result holds them (records with token_ids), in runs of consecutive
+    ids as the increment model writes: the low ids counted most, 4,000 distinct ids in all, so a
+    256-id keep-set covers clearly less of it than a 2,048-id one."""
+    path = tmp_path_factory.mktemp("corpus") / "bench.json"
+    records = [{"ok": True, "token_ids": list(range(100 + 100 * j))} for j in range(40)]
+    path.write_text(json.dumps({"schema": "magpie/bench-decode/4", "records": records}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text-corpus") / "generations.txt"
     path.write_text("\n\n".join(bench_decode.BUILTIN_PROMPTS))
     return path
 
@@ -59,8 +70,15 @@ def test_keepset_size_sweep_starts_one_server_per_size_and_names_the_best(
     section = result["keepset_sweep"]
     rows = {r["config"]: r for r in section["rows"]}
     assert [rows[f"keep{k}"]["keep_ids"] for k in SIZES] == list(SIZES)
+    # The tokenizer's special ids first, then the most counted: ids 0 up, each counted 40 - id // 100 times.
+    counts = [40 - i // 100 for i in range(4000)]
+    for size in SIZES:
+        ids = preflight.read_keep_ids(str(run_dir / "keepsets" / f"keep{size}.npy"), 4096).tolist()
+        assert rows[f"keep{size}"]["corpus_coverage"] == pytest.approx(
+            sum(counts[i] for i in ids if i < 4000) / sum(counts)
+        )
     small, large = (rows[f"keep{k}"]["corpus_coverage"] for k in SIZES)
-    assert 0 < small < large <= 1  # the larger keep-set holds the smaller one's ids and more
+    assert 0 < small < large < 1
     for row in rows.values():
         assert row["acceptance_length"] >= 1 and len(row["per_position_acceptance"]) == 3
         assert row["decode_tok_s_median"] > 0 and row["repeats"] == 1
@@ -97,14 +115,14 @@ def test_a_keepset_file_in_an_unknown_format_is_refused_naming_the_formats(tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def test_fit_keepset_writes_a_json_id_list_the_patch_reads(tmp_path, tiny_mtp_model, corpus):
+def test_fit_keepset_writes_a_json_id_list_the_patch_reads(tmp_path, tiny_mtp_model, text_corpus):
     out = tmp_path / "keep.json"
-    proc = run_tool("fit-keepset", str(corpus), "--model", str(tiny_mtp_model), "-o", str(out), "--quiet")
+    proc = run_tool("fit-keepset", str(text_corpus), "--model", str(tiny_mtp_model), "-o", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr
     ids = json.loads(out.read_text())
     assert ids == sorted(set(ids)) and 0 < len(ids) < 4096
     assert preflight.read_keep_ids(str(out), 4096).tolist() == ids
-    bad = run_tool("fit-keepset", str(corpus), "--model", str(tiny_mtp_model), "-o", str(tmp_path / "keep.txt"))
+    bad = run_tool("fit-keepset", str(text_corpus), "--model", str(tiny_mtp_model), "-o", str(tmp_path / "keep.txt"))
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         f"error: --output {tmp_path / 'keep.txt'}: use .npy, .pt or .json (a JSON list of ids)"
