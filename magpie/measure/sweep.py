@@ -121,6 +121,8 @@ SUMMARY_FIELDS = [
     "aggregate_tok_s_min",
     "aggregate_tok_s_max",
     "acceptance_length",
+    "keep_ids",
+    "corpus_coverage",
 ]
 POINT_FIELDS = [
     "config",
