@@ -6,8 +6,8 @@
 #   WORKDIR   where the demo builds and measures (default: .cache/demo/<date-time>; must be new)
 #   VENV      the pinned test environment (default: .venv; tests/env/setup.sh creates it)
 #   REPORT    where the HTML report goes (default: WORKDIR/flash-next-report.html)
-#   REPEATS   bench runs per concurrency (default: 1, the CI time of tests that run the demo;
-#             3 gives each figure a range and the side-by-side table says what is within noise)
+#   REPEATS   bench runs per concurrency (default: 3: each figure gets a median and a range, and
+#             the side-by-side table says which differences are within noise; 1 is faster)
 #
 # Steps: set up the pinned vLLM 0.29.0 (CPU build); apply the patch series into an overlay (the
 # venv itself stays stock); build a tiny Qwen3.5 + MTP model and tokenizer locally; then, each
@@ -39,7 +39,7 @@ fi
 mkdir -p "$workdir"
 workdir=$(cd "$workdir" && pwd) # absolute: serve.sh wants the keep-set by absolute path
 report=${REPORT:-$workdir/flash-next-report.html}
-repeats=${REPEATS:-1}
+repeats=${REPEATS:-3}
 
 say "1. The pinned environment (vLLM 0.29.0, CPU build) in $venv"
 VENV=$venv "$root/tests/env/setup.sh"

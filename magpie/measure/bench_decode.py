@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats",
         type=int,
-        default=1,
+        default=3,
         help="runs of -n requests, pooled; each figure's median/min/max is kept (default: %(default)s)",
     )
     parser.add_argument("--prompts", metavar="FILE", help="JSONL/JSON prompts (default: the built-in set)")

@@ -251,10 +251,18 @@ def versus_first(first: dict, run: dict) -> str:
     return common.compare(decode_spread(first), decode_spread(run))
 
 
+def spread_text(figures: dict | None) -> str:
+    """ "median [min - max] (n)" of a figure over repeats; "-" without repeats' figures."""
+    if not figures:
+        return "-"
+    return f"{figures['median']:.1f} [{figures['min']:.1f} - {figures['max']:.1f}] ({figures['n']})"
+
+
 def compare_text(runs: list[dict]) -> str:
     header = [
         "configuration",
         "c=1 decode tok/s per request",
+        "c=1 median [min - max] (repeats)",
         "c=1 decode vs first (repeats)",
         "c=4 aggregate tok/s, all requests",
         "accept. L",
@@ -268,6 +276,7 @@ def compare_text(runs: list[dict]) -> str:
             [
                 run["label"],
                 _fmt(run["c1_decode_tok_s"]),
+                spread_text(decode_spread(run)),
                 "(reference)" if run is runs[0] else versus_first(runs[0], run),
                 _fmt(run["c4_aggregate_tok_s"]),
                 _fmt(run["acceptance_length"], ".2f"),
@@ -282,8 +291,9 @@ def compare_text(runs: list[dict]) -> str:
     out += ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     out.append(
         "c=1 decode: one request at a time, its tokens after the first over its decode time (the engine's "
-        "timestamps); c=4 aggregate: four requests in flight, all output tokens over the run's wall time; "
-        "vs first: 'within noise' when the repeats' min..max ranges overlap (run_suite.sh REPEATS=3)."
+        "timestamps, pooled over the repeats), then its median [min - max] over the repeats; c=4 aggregate: "
+        "four requests in flight, all output tokens over the run's wall time; vs first: 'within noise' when the "
+        "repeats' min..max ranges overlap (run_suite.sh and scripts/demo.sh run REPEATS=3 by default)."
     )
     if any(run["counting_model"] and run["gsm8k_accuracy"] is not None for run in runs):
         out.append(COUNTING_MODEL_NOTE)
@@ -410,7 +420,7 @@ def line_chart(lines: list[tuple[str, list[tuple[float, float]]]], x_label: str,
     return "".join(parts)
 
 
-SWEEP_VERSIONS = (3, 2, 1)
+SWEEP_VERSIONS = (4, 3, 2, 1)
 
 
 def load_sweep(folder: str) -> dict:
@@ -423,6 +433,41 @@ def load_sweep(folder: str) -> dict:
         raise SystemExit(f"error: {folder}/{files.SWEEP_RESULTS} is missing or not a sweep.py result ({wanted})")
     document["folder"] = folder
     return document
+
+
+def keepset_section(section: dict | None) -> list[str]:
+    """A keep-set sweep's table (sweep/4): per keep-set and point, the corpus coverage, acceptance
+    and decode tok/s median [min - max]; then the best keep-set per point."""
+    if not section:
+        return []
+    body = [
+        "<h4>Keep-set sizes (one server start per keep-set)</h4>",
+        "<table><tr><th>keep-set</th><th>ids</th><th>corpus coverage</th><th>input</th><th>c</th>"
+        "<th>repeats</th><th>acceptance L</th><th>per position</th><th>decode tok/s median [min - max]</th></tr>",
+    ]
+    for row in section["rows"]:
+        coverage = "-" if row.get("corpus_coverage") is None else f"{100 * row['corpus_coverage']:.2f} %"
+        positions = " ".join(f"{x:.2f}" for x in row.get("per_position_acceptance") or []) or "-"
+        depth = f" (depth {row['depth']})" if row.get("depth") else ""
+        body.append(
+            f"<tr><td>{_e(row['config'] + depth)}{' (best)' if row.get('best') else ''}</td>"
+            f"<td class=n>{row['keep_ids']}</td><td class=n>{coverage}</td>"
+            f"<td class=n>{row['input_len']}</td><td class=n>{row['concurrency']}</td>"
+            f"<td class=n>{row['repeats']}</td><td class=n>{_fmt(row['acceptance_length'], '.2f')}</td>"
+            f"<td>{positions}</td><td class=n>{_fmt(row['decode_tok_s_median'])} "
+            f"[{_fmt(row['decode_tok_s_min'])} - {_fmt(row['decode_tok_s_max'])}]</td></tr>"
+        )
+    body.append("</table>")
+    for best in section["best"]:
+        versus = best["versus_runner_up"]
+        if best.get("runner_up"):
+            versus = f"against the runner-up {best['runner_up']}: {versus}"
+        body.append(
+            f'<p class="note">Best keep-set at input {best["input_len"]}, c={best["concurrency"]}: '
+            f"{_e(best['config'])} ({best['keep_ids']} ids), {_fmt(best['decode_tok_s_median'])} tok/s median; "
+            f"{_e(versus)}.</p>"
+        )
+    return body
 
 
 def sweep_section(sweep: dict) -> list[str]:
@@ -464,6 +509,7 @@ def sweep_section(sweep: dict) -> list[str]:
             f"<td class=n>{_fmt(row['acceptance_length'], '.2f')}</td></tr>"
         )
     body.append("</table>")
+    body += keepset_section(sweep.get("keepset_sweep"))  # version 4 on
     if files.schema_of(sweep["schema"]) == ("sweep", 1):
         body.append(
             f'<p class="note">This sweep was written by an older sweep.py ({_e(sweep["schema"])}): it has no decode '

@@ -13,7 +13,7 @@
 #   EXPECT=                     space-separated FEATURE=STATE the log must show, e.g. "mtp=3 draft_head=pruned"
 #   N_C1=8  N_C4=16             measured requests at concurrency 1 and 4
 #   MAX_TOKENS=256              max_tokens of the bench requests
-#   REPEATS=1                   bench runs per concurrency: each figure's median/min/max, and
+#   REPEATS=3                   bench runs per concurrency: each figure's median/min/max, and
 #                               `report --compare` says "within noise" when ranges overlap
 #   BENCH_ARGS=                 more bench_decode.py arguments (e.g. "--ignore-eos --prompts FILE")
 #   GSM8K=                      GSM8K-format JSONL/parquet; empty: the GSM8K step is skipped (and says so)
@@ -40,7 +40,7 @@ EXPECT=${EXPECT:-}
 N_C1=${N_C1:-8}
 N_C4=${N_C4:-16}
 MAX_TOKENS=${MAX_TOKENS:-256}
-REPEATS=${REPEATS:-1}
+REPEATS=${REPEATS:-3}
 BENCH_ARGS=${BENCH_ARGS:-}
 GSM8K=${GSM8K:-}
 GSM8K_LIMIT=${GSM8K_LIMIT:-}

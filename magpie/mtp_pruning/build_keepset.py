@@ -4,7 +4,7 @@
 Takes the token counts of count_tokens.py, keeps the smallest top-K reaching `--coverage` of all
 counted tokens, adds the tokenizer's special and added tokens (the draft must be able to propose
 end-of-turn and tool-call markers), `--extra-ids` and, with `--union`, other keep-sets (to cover
-several workloads), and writes the sorted int64 ids as .npy or .pt for vLLM's
+several workloads), and writes the sorted int64 ids as .npy, .pt or .json for vLLM's
 `draft_vocab_path`.
 
     python3 magpie build-keepset counts.npy --model ~/models/Qwen3.8-Flash-Next \\
@@ -30,6 +30,9 @@ from magpie.mtp_pruning.count_tokens import load_counts, read_vocab_size
 SCHEMA = files.schema("build-keepset", 1)
 # Held-out coverage this far under the fitted coverage gets a warning.
 DRIFT_WARNING = 0.02
+# The keep-set files written: what the mtp_pruning patch reads as draft_vocab_path (.json: a list of ids).
+OUTPUT_SUFFIXES = (".npy", ".pt", ".json")
+OUTPUT_FORMATS = "use .npy, .pt or .json (a JSON list of ids)"
 
 
 def parse_id_ranges(spec: str) -> list[tuple[int, int]]:
@@ -111,8 +114,11 @@ def save_keep_set(ids, path: str) -> None:
     """Write the keep-set atomically: a server reading `draft_vocab_path` never sees half a file."""
     import numpy as np
 
-    if not path.endswith((".npy", ".pt")):
-        raise ValueError(f"--output {path}: use .npy or .pt")
+    if not path.endswith(OUTPUT_SUFFIXES):
+        raise ValueError(f"--output {path}: {OUTPUT_FORMATS}")
+    if path.endswith(".json"):
+        files.atomic_write_text(path, json.dumps([int(i) for i in ids]) + "\n")
+        return
     with files.atomic_open(path, "wb") as f:
         if path.endswith(".npy"):
             np.save(f, ids.astype(np.int64))
@@ -170,7 +176,7 @@ def build_keep_set(
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("magpie build-keepset", __doc__)
     parser.add_argument("counts", nargs="+", help="counts .npy files of count_tokens.py (summed)")
-    parser.add_argument("-o", "--output", required=True, help="keep-set to write (.npy or .pt)")
+    parser.add_argument("-o", "--output", required=True, help="keep-set to write (.npy, .pt or .json)")
     parser.add_argument("--coverage", type=float, default=0.99, help="share of counted tokens to cover")
     parser.add_argument("--model", help="model folder: tokenizer for the special ids, and vocab_size check")
     parser.add_argument("--tokenizer", help="tokenizer folder or name for the special ids (unset: the --model folder)")
@@ -185,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_arguments(args, outputs: list[tuple[str, str | Path | None]]) -> int | None:
     """Before any work: 2 (the error printed) for a bad --coverage, --extra-ids or a keep-set
-    --output that is not .npy or .pt; outputs that are one file, or one of the inputs, and
+    --output that is not .npy, .pt or .json; outputs that are one file, or one of the inputs, and
     inputs that are missing or folders refused (files.InputError); an existing file of `outputs`
     ((option, path) pairs) refused without --force (files.check_output); None when the run may
     begin."""
@@ -196,8 +202,8 @@ def check_arguments(args, outputs: list[tuple[str, str | Path | None]]) -> int |
         args.extra_ranges, problem = [], str(e)
     if problem is None and not 0 < args.coverage <= 1:
         problem = f"--coverage must be in (0, 1], not {args.coverage}"
-    elif problem is None and not args.output.endswith((".npy", ".pt")):
-        problem = f"--output {args.output}: use .npy or .pt"
+    elif problem is None and not args.output.endswith(OUTPUT_SUFFIXES):
+        problem = f"--output {args.output}: {OUTPUT_FORMATS}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

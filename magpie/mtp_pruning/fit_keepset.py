@@ -9,6 +9,10 @@ to feed `count_tokens.py --add-to` later) and a JSON summary (`<output>.json`, s
 
     python3 magpie fit-keepset results/ --model ~/models/Qwen3.8-Flash-Next -o keep.npy
 
+The keep-set is written as .npy, .pt or .json (a JSON list of ids, as community recipes pass
+them around); the mtp_pruning patch reads all three as `draft_vocab_path`. `magpie sweep
+--keepset-sizes` fits keep-sets of given sizes from one corpus with this module's counting.
+
 Self-check: every `--holdout-every`-th text is set aside, a keep-set is fitted on the rest, and
 its coverage of the set-aside texts is reported. When that falls clearly under the target,
 the counts are too few for this workload (a keep-set fitted on 50k tokens covered only ~77 % of
@@ -49,12 +53,49 @@ def output_paths(output: Path) -> tuple[Path, Path, Path]:
     return output, output.with_name(output.stem + ".counts.npy"), Path(str(output) + ".json")
 
 
+def count_corpus(paths: list[str], model: str, tokenizer: str | None = None, quiet: bool = True):
+    """The generated-token counts of a corpus (files or folders of generations, as fit-keepset
+    reads them): (counts, input files, texts). ValueError naming the corpus when it holds none."""
+    import numpy as np
+
+    inputs = input_files(paths)
+    if not inputs:
+        raise ValueError(f"--corpus {', '.join(paths)}: no .json, .jsonl or .txt files of generations")
+    vocab_size = read_vocab_size(Path(model))
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    items = [item for path in inputs for item in items_from_file(path) if item.token_ids or item.text]
+    progress = Progress(quiet)
+    texts, _ = count_items(items, load_tokenizer(tokenizer or model), counts, "corpus", progress=progress)
+    progress.close()
+    if counts.sum() == 0:
+        raise ValueError(f"--corpus {', '.join(paths)}: no generated tokens in {len(inputs)} file(s)")
+    return counts, inputs, texts
+
+
+def keep_set_of_size(counts, size: int, specials=()):
+    """The `size` ids a draft head of that many rows keeps: the tokenizer's special ids first
+    (the draft must propose end-of-turn markers), then the most counted ids (ties and uncounted
+    ids by the lower id), sorted. ValueError when `size` is not below the vocabulary."""
+    import numpy as np
+
+    vocab_size = counts.shape[0]
+    if not 0 < size < vocab_size:
+        raise ValueError(f"keep-set size {size}: give 1 to {vocab_size - 1} ids (the vocabulary has {vocab_size})")
+    chosen = dict.fromkeys(int(i) for i in specials if 0 <= int(i) < vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # count descending, then id ascending
+    for i in order[: size + len(chosen)]:
+        if len(chosen) >= size:
+            break
+        chosen.setdefault(int(i))
+    return np.array(sorted(chosen)[:size], dtype=np.int64)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("magpie fit-keepset", __doc__)
     parser.add_argument("results", nargs="+", help="folders (or files) of generations")
     parser.add_argument("--model", required=True, help="model folder: config.json (vocab_size) and tokenizer")
     parser.add_argument("--tokenizer", help="tokenizer folder or name (unset: the --model folder)")
-    parser.add_argument("-o", "--output", required=True, help="keep-set to write (.npy or .pt)")
+    parser.add_argument("-o", "--output", required=True, help="keep-set to write (.npy, .pt or .json)")
     parser.add_argument("--coverage", type=float, default=0.99, help="share of generated tokens to cover")
     parser.add_argument("--holdout-every", type=int, default=10, help="self-check: set aside every N-th text (0: off)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -110,7 +110,7 @@ def test_bench_with_no_readable_reply_is_not_complete(tmp_path):
     out, rows, lines = tmp_path / "bench.json", tmp_path / "bench.csv", tmp_path / "bench.jsonl"
     with Misbehaving(routes) as server:
         proc = run_tool(
-            "bench-decode", "--url", server.url, "-n", "3", "--warmup", "0",
+            "bench-decode", "--url", server.url, "-n", "3", "--warmup", "0", "--repeats", "1",
             "--output", str(out), "--csv", str(rows), "--jsonl", str(lines),
         )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr

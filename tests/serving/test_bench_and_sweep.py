@@ -75,6 +75,7 @@ def bench(url: str, out: Path, prompt_file: Path, *extra: str) -> dict:
         "--max-tokens", str(MAX_TOKENS),
         "--ignore-eos",
         "--warmup", "1",
+        "--repeats", "1",
         "--prompts", str(prompt_file),
         "--output", str(out),
         *extra,
@@ -167,20 +168,21 @@ def test_bench_figures_equal_vllm_calculate_metrics_on_the_same_timings(server, 
         assert record["tpot_s"] == pytest.approx((record["latency_s"] - record["ttft_s"]) / (MAX_TOKENS - 1))
 
 
-def test_bench_repeats_keep_each_figures_range_and_the_report_compares_them(server, prompts, tmp_path):
+def test_bench_repeats_3_by_default_keep_each_figures_range_and_the_report_shows_it(server, prompts, tmp_path):
     out = tmp_path / "bench.json"
+    # No --repeats: the default, 3.
     proc = run_tool(
         "bench-decode", "--url", server.url, "-n", "2", "-c", "1", "--max-tokens", "16", "--ignore-eos",
-        "--warmup", "0", "--repeats", "2", "--prompts", str(write_prompts(tmp_path, prompts)), "--output", str(out),
+        "--warmup", "0", "--prompts", str(write_prompts(tmp_path, prompts)), "--output", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     jsonschema.validate(result, json.loads((MEASURE / "schemas" / "bench-decode.schema.json").read_text()))
-    assert [r["repeat"] for r in result["records"]] == [1, 1, 2, 2]
-    assert [r["index"] for r in result["records"]] == [0, 1, 2, 3]
+    assert [r["repeat"] for r in result["records"]] == [1, 1, 2, 2, 3, 3]
+    assert [r["index"] for r in result["records"]] == [0, 1, 2, 3, 4, 5]
     rates = [r["engine_decode_tok_per_s"] for r in result["repeats"]]
     spread = result["summary"]["spread"]["engine_decode_tok_per_s"]
-    assert spread == {"median": pytest.approx(sum(rates) / 2), "min": min(rates), "max": max(rates), "n": 2}
+    assert spread == {"median": sorted(rates)[1], "min": min(rates), "max": max(rates), "n": 3}
     assert min(rates) <= result["summary"]["engine_decode_tok_per_s"] <= max(rates)  # pooled sums
     assert "engine_decode_tok_per_s over repeats" in proc.stdout
     # The same measurement twice in the report: its ranges overlap.
@@ -192,8 +194,10 @@ def test_bench_repeats_keep_each_figures_range_and_the_report_compares_them(serv
         folders.append(str(folder))
     table = run_tool("report", "--compare", *folders)
     assert table.returncode == 0, table.stderr
-    assert "c=1 decode vs first (repeats)" in table.stdout
-    assert re.search(r"^b .*within noise", table.stdout, re.M), table.stdout
+    assert "c=1 median [min - max] (repeats)" in table.stdout and "c=1 decode vs first (repeats)" in table.stdout
+    shown = f"{spread['median']:.1f} [{spread['min']:.1f} - {spread['max']:.1f}] (3)"
+    for name, versus in (("a", "(reference)"), ("b", "within noise")):
+        assert re.search(rf"^{name} .*{re.escape(shown)} +{re.escape(versus)}", table.stdout, re.M), table.stdout
 
 
 def test_bench_agrees_with_the_real_vllm_bench_serve_cli(server, prompts, tmp_path):
@@ -362,7 +366,7 @@ def test_a_server_that_dies_mid_run_is_still_reported_with_mtp_on(server, prompt
     with BurstProxy(server.url, burst_every=10**9, die_after=2) as proxy:
         proc = run_tool(
             "bench-decode", "--url", proxy.url, "-n", "6", "-c", "1", "--max-tokens", "16", "--warmup", "0",
-            "--prompts", str(write_prompts(tmp_path, prompts)), "--output", str(out),
+            "--repeats", "1", "--prompts", str(write_prompts(tmp_path, prompts)), "--output", str(out),
         )  # fmt: skip
     assert proc.returncode == 3, proc.stdout + proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("MTP"))
@@ -387,7 +391,7 @@ def result_folder(server, tmp_path_factory, gsm8k_fixture) -> Path:
     for concurrency, count in ((1, 3), (4, 4)):
         proc = run_tool(
             "bench-decode", "--url", server.url, "-n", str(count), "-c", str(concurrency), "--max-tokens", "24",
-            "--ignore-eos", "--warmup", "0", "--label", "MTP k=3",
+            "--ignore-eos", "--warmup", "0", "--repeats", "1", "--label", "MTP k=3",
             "--output", str(folder / f"bench-c{concurrency}.json"),
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
@@ -685,6 +689,7 @@ def test_report_reads_sweeps_under_the_legacy_and_the_current_schema_prefix(tmp_
         ("magpie/sweep/1", True),
         ("magpie/sweep/2", False),
         ("magpie/sweep/3", False),
+        ("magpie/sweep/4", False),
         ("flash-next/sweep/2", False),
     ):
         folder = tmp_path / schema.replace("/", "-")
@@ -693,8 +698,9 @@ def test_report_reads_sweeps_under_the_legacy_and_the_current_schema_prefix(tmp_
         (folder / "results.json").write_text(json.dumps(document))
         page = "".join(report.sweep_section(report.load_sweep(str(folder))))
         assert ("written by an older sweep.py" in page) is older, schema
-    (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/4"}))
+    (folder / "results.json").write_text(json.dumps({**document, "schema": "magpie/sweep/5"}))
     with pytest.raises(
-        SystemExit, match=r"not a sweep.py result \(magpie/sweep/3 or magpie/sweep/2 or magpie/sweep/1\)"
+        SystemExit,
+        match=r"not a sweep.py result \(magpie/sweep/4 or magpie/sweep/3 or magpie/sweep/2 or magpie/sweep/1\)",
     ):
         report.load_sweep(str(folder))

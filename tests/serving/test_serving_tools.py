@@ -47,6 +47,7 @@ def suite(out: Path, server: ServeSh, label: str, expect: str, gsm8k: Path | Non
         EXPECT=expect,
         N_C1="4",
         N_C4="8",
+        REPEATS="1",
         MAX_TOKENS="48",
         BENCH_ARGS="--ignore-eos",
         GSM8K=str(gsm8k or ""),
@@ -269,6 +270,8 @@ def test_acceptance_figures_equal_raw_metrics_counters(mtp_server, tmp_path):
         "40",
         "--warmup",
         "0",
+        "--repeats",
+        "1",
         "--output",
         str(out),
     )
@@ -464,7 +467,7 @@ def test_killing_the_server_mid_bench_leaves_partial_json_and_nonzero_exit(plain
     out = tmp_path / "bench.json"
     bench = subprocess.Popen(
         [*tool("bench-decode"), "--url", plain_server.url, "-n", "400", "-c", "1"]
-        + ["--max-tokens", "64", "--ignore-eos", "--warmup", "0", "--output", str(out)],
+        + ["--max-tokens", "64", "--ignore-eos", "--warmup", "0", "--repeats", "1", "--output", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
