@@ -321,154 +321,9 @@ def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
     return load_file(source, name)
 
 
-def created_files(patches: list[Patch]) -> dict[tuple[str, str], str]:
-    """{(patch name, path): text} of every file the series creates, as each patch that touches it
-    leaves it (a file 0001 creates and 0002 edits appears twice), in series order. The patches'
-    own hunks build the text: no vLLM tree is needed. A file a later patch deletes is not listed
-    for that patch."""
-    current: dict[str, str | None] = {}
-    found: dict[tuple[str, str], str] = {}
-    for patch in patches:
-        for fp in patch.files:
-            if fp.path not in current and fp.old_exists:
-                continue  # a vLLM file the patch edits, not one the series ships
-            try:
-                text = apply_file(fp, current.get(fp.path), reverse=False)
-            except Conflict as e:
-                raise ToolError(f"{patch.name}: {e}") from None
-            current[fp.path] = text
-            if text is not None:
-                found[(patch.name, fp.path)] = text
-    return found
-
-
-def extract_created(folders: list[str], output: str) -> list[str]:
-    """Write created_files() of each series folder to OUTPUT/<series folder>/<patch>/<path>;
-    return the paths written. OUTPUT must not exist or be empty."""
-    if os.path.exists(output) and os.listdir(output):
-        raise ToolError(f"--output {output} exists and is not empty")
-    written = []
-    for folder in folders:
-        for (name, path), text in created_files(load_series(folder)).items():
-            dest = os.path.join(output, os.path.basename(os.path.normpath(folder)), name.removesuffix(".patch"), path)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with open(dest, "w", encoding="utf-8") as f:
-                f.write(text)
-            written.append(dest)
-    return written
-
-
-# --------------------------------------------------------------------------- shipped modules
-# Every Python file a patch creates (a new-file hunk) has one source in the checkout, under
-# magpie/vllm_modules/ (same file name): `refresh` writes the hunks from the sources, `check-sources`
-# fails when a hunk differs from what its source generates. What differs between releases sits in
-# one `# [release X.Y.Z]` ... `# [release end]` section of the source; the file a series ships keeps
-# the lines of its own release (the Target of the patch) and drops the others and the markers. A
-# release without a block of its own takes the nearest older release's (a new release needs no
-# edit here unless what it needs differs).
-MODULES_DIR = os.path.join(_HERE, "vllm_modules")
-_RELEASE_MARK = re.compile(r"^# \[release (?P<what>\d+(?:\.\d+)*|end)\]$")
-
-
-def render_module(text: str, release: str, source: str = "module") -> str:
-    """`text` (a module source) as the series of vLLM `release` ships it: the lines of that
-    release's `# [release ...]` block kept (no block of its own: the nearest older release's),
-    every other release's block and the markers dropped."""
-    out, block, seen = [], None, []
-    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
-        mark = _RELEASE_MARK.match(line.rstrip("\n"))
-        if not mark:
-            if block is None or block == release:
-                out.append(line)
-            continue
-        what = mark.group("what")
-        if what == "end":
-            if block is None:
-                raise ToolError(f"{source}:{lineno}: `# [release end]` without a `# [release X.Y.Z]` above it")
-            block = None
-            continue
-        if what in seen:
-            raise ToolError(f"{source}:{lineno}: a second `# [release {what}]` block; keep one per release")
-        block = what
-        seen.append(what)
-    if block is not None:
-        raise ToolError(f"{source}: the `# [release {block}]` block has no `# [release end]`")
-    if seen and release not in seen:
-        older = [what for what in seen if _release_key(what) < _release_key(release)]
-        if not older:
-            raise ToolError(
-                f"{source}: no `# [release {release}]` block and none for an older release (it has "
-                f"{', '.join(seen)}): add the lines vLLM {release} needs there"
-            )
-        # A release without a block of its own ships the nearest older release's lines.
-        return render_module(text, max(older, key=_release_key), source)
-    return "".join(out)
-
-
-@dataclasses.dataclass
-class ShippedModule:
-    patch: Patch
-    patch_file: str  # the patch file holding the new-file hunk
-    path: str  # where it lands in vLLM's tree
-    source: str  # magpie/vllm_modules/<name>
-    release: str
-    shipped: str  # the text the hunk creates now
-    generated: str  # the text the source generates for `release`
-
-
-def shipped_modules(folder: str, modules_dir: str = MODULES_DIR) -> list[ShippedModule]:
-    """Every Python file the series in `folder` creates, with its source and what the source
-    generates. A created .py file without a source is an error naming the file to add."""
-    found = []
-    for patch in load_series(folder):
-        release = release_of(patch.fields["target"].split()[-1])
-        for fp in patch.files:
-            if fp.old_exists or not fp.new_exists or not fp.path.endswith(".py"):
-                continue
-            source = os.path.join(modules_dir, os.path.basename(fp.path))
-            if not os.path.isfile(source):
-                raise ToolError(
-                    f"{patch.name} creates {fp.path}, which has no source {source}: every module a patch "
-                    "creates is kept there once (copy the file there, then run `refresh`)"
-                )
-            with open(source, encoding="utf-8") as f:
-                generated = render_module(f.read(), release, os.path.relpath(source))
-            shipped = "".join(line for hunk in fp.hunks for line in hunk.new_lines)
-            patch_file = os.path.join(folder, patch.name)
-            found.append(ShippedModule(patch, patch_file, fp.path, source, release, shipped, generated))
-    return found
-
-
-def refresh_patch_text(text: str, path: str, content: str) -> str:
-    """The patch `text` with its new-file section for `path` rewritten to create `content`."""
-    header, sections = text[: text.index("diff --git ")], _sections(text)
-    first = f"diff --git a/{path} b/{path}\n"
-    hits = [i for i, section in enumerate(sections) if section.startswith(first)]
-    if len(hits) != 1:
-        raise ToolError(f"{len(hits)} diff sections for {path} (expected one)")
-    sections[hits[0]] = file_diff(path, None, content)
-    return header + "".join(sections)
-
-
-def refresh_series(folders: list[str], modules_dir: str = MODULES_DIR, write: bool = True) -> list[ShippedModule]:
-    """The shipped modules whose hunk differs from their source's text; with `write`, each such
-    patch file is rewritten from the source (nothing else in it changes)."""
-    stale = [m for folder in folders for m in shipped_modules(folder, modules_dir) if m.shipped != m.generated]
-    if write:
-        for module in stale:
-            with open(module.patch_file, encoding="utf-8") as f:
-                text = f.read()
-            _write_text(module.patch_file, refresh_patch_text(text, module.path, module.generated))
-    return stale
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
 SERIES_PREFIX = "vllm-"
+# The module sources the series ship (magpie/vllm_modules/sources.py reads them): --modules-dir.
+MODULES_DIR = os.path.join(_HERE, "vllm_modules")
 
 REBASE_HELP = """\
 Carry a series from the vLLM release it was written for onto another release's source.
@@ -509,10 +364,18 @@ target error.
 """
 
 
-def release_of(version: str) -> str:
-    """The release a version string belongs to: "0.29.0+cpu" -> "0.29.0", "0.33.0rc1" -> "0.33.0"."""
-    m = re.match(r"(\d+(?:\.\d+)*)", version)
-    return m.group(1) if m else version
+def release_of(version: str | None) -> str | None:
+    """The release a version string belongs to: "0.29.0+cpu" -> "0.29.0", "0.33.0rc1" -> "0.33.0",
+    "0.33.1.dev3" -> "0.33.1", "v0.34.0" -> "0.34.0"; None when it is not MAJOR.MINOR.PATCH at all
+    ("0.33", "unknown"). The one definition: magpie/releases.py imports it."""
+    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", (version or "").strip())
+    return ".".join(m.groups()) if m else None
+
+
+def release_key(release: str) -> tuple[int, ...]:
+    """A release as a tuple that sorts as the releases do ("0.9.0" before "0.10.0"); a part that is
+    not a number sorts first (-1). The one definition: magpie/releases.py imports it."""
+    return tuple(int(part) if part.isdigit() else -1 for part in release.split("."))
 
 
 def available_series(root: str) -> dict[str, str]:
@@ -522,7 +385,7 @@ def available_series(root: str) -> dict[str, str]:
         folder = os.path.dirname(series_file)
         found[os.path.basename(folder).removeprefix(SERIES_PREFIX)] = folder
 
-    return {release: found[release] for release in sorted(found, key=_release_key)}
+    return {release: found[release] for release in sorted(found, key=release_key)}
 
 
 class NoSeries(ToolError):
@@ -530,12 +393,13 @@ class NoSeries(ToolError):
 
     def __init__(self, version: str, found: dict[str, str]):
         self.version, self.found = version, found
-        self.nearest = nearest_series(release_of(version), list(found))
+        self.release = release_of(version) or version  # "unknown", "0.1.dev1": said as it is
+        self.nearest = nearest_series(self.release, list(found))
         super().__init__(self.advice("--target DIR"))
 
     def advice(self, where: str) -> str:
         listing = ", ".join(self.found)
-        release = release_of(self.version)
+        release = self.release
         return (
             f"no series for vLLM {self.version}; series exist for vLLM {listing}.\n"
             f"  try the nearest one as it is:\n"
@@ -547,15 +411,11 @@ class NoSeries(ToolError):
         )
 
 
-def _release_key(release: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else -1 for x in release.split("."))
-
-
 def nearest_series(release: str, releases: list[str]) -> str:
     """The series closest to `release` by minor version (the older one on a tie)."""
 
     def distance(other: str) -> tuple:
-        a, b = (_release_key(release) + (0, 0, 0))[:3], (_release_key(other) + (0, 0, 0))[:3]
+        a, b = (release_key(release) + (0, 0, 0))[:3], (release_key(other) + (0, 0, 0))[:3]
         return (abs(a[0] - b[0]), abs(a[1] - b[1]), abs(a[2] - b[2]), b > a)
 
     return min(releases, key=distance)
@@ -578,11 +438,11 @@ def series_dir(patches_dir: str, version: str | None, wanted: str | None = None)
     listing = ", ".join(found)
     if wanted:
         release = release_of(wanted.removeprefix(SERIES_PREFIX))
-        if release not in found:
+        if release is None or release not in found:
             raise ToolError(f"--series {wanted}: no such series; series exist for vLLM {listing}")
         return found[release]
-    release = release_of(version or "unknown")
-    if release in found:
+    release = release_of(version)
+    if release is not None and release in found:
         return found[release]
     raise NoSeries(version or "unknown", found)
 
@@ -1413,14 +1273,13 @@ def rebase_series(
     empty `diff --git` section is not a patch git accepts); a patch left with no section at all
     is left out of the series, named in the log.
     """
+    run = _Rebase(base, new, old_release, new_release, log, work, drop_removed)
     carried: list[Carried] = []
     conflicts: list[MergeConflict] = []
     skipped: list[str] = []
     failed_patches: set[str] = set()
     failed_files: set[str] = set()
     emptied: set[str] = set()
-    base_stage: dict[str, str | None] = {}
-    new_stage: dict[str, str | None] = {}
     for patch in patches:
         blocked = [r for r in patch.requires if r in failed_patches]
         touched = {fp.path for fp in patch.files}
@@ -1434,141 +1293,177 @@ def rebase_series(
             skipped.append(f"{patch.name}: not tried, it {why}, which {what}")
             failed_patches.add(patch.name)
             continue
-        after = base.try_patch(patch, reverse=False, base=base_stage)
-        sections = _sections(texts[patch.name])
-        out_sections: list[str] = []
-        result: dict[str, str | None] = {}
-        how: dict[str, str] = {}
-        mine: list[MergeConflict] = []
-        for fp, section in zip(patch.files, sections, strict=True):
-            o = base_stage[fp.path] if fp.path in base_stage else base.read(fp.path)
-            t = after[fp.path]
-            b = new_stage[fp.path] if fp.path in new_stage else new.read(fp.path)
-            if fp.path in result:
+        after = base.try_patch(patch, reverse=False, base=run.base_stage)
+        out = _PatchOut()
+        for fp, section in zip(patch.files, _sections(texts[patch.name]), strict=True):
+            if fp.path in out.result:
                 raise ToolError(f"{patch.name}: {fp.path} appears twice; rebase does not support that")
-            if b == o:
-                how[fp.path] = "new file" if o is None else "unchanged upstream"
-                result[fp.path] = t
-                out_sections.append(section)
-                continue
-            inputs = _inputs_digest(o, b, t)
-            resolved, stale = _resolution(work, patch.name, fp.path, inputs)
-            if resolved is not None:
-                how[fp.path] = "resolved by hand"
-                result[fp.path] = resolved
-                if resolved != b:
-                    out_sections.append(file_diff(fp.path, b, resolved))
-                else:
-                    log(f"  {patch.name}: {fp.path} resolved to vLLM {new_release}'s file as it is: no section")
-                continue
-            if b is None and o is not None and drop_removed:
-                how[fp.path] = "dropped"
-                log(
-                    f"  {patch.name}: dropped the {len(fp.hunks)} hunk(s) of {fp.path}, which vLLM {new_release} "
-                    "does not have (--drop-removed)"
-                )
-                continue
-            before_conflicts = len(mine)
-            if o is None:  # the patch creates the file
-                mine.append(
-                    MergeConflict(
-                        patch.name,
-                        fp.path,
-                        ["(the whole new file)"],
-                        None,
-                        (1, split_lines(b)),
-                        (1, split_lines(t or "")),
-                        f"the patch creates {fp.path}, but vLLM {new_release} has one",
-                    )
-                )
-                continue
-            if b is None:  # upstream moved or removed it
-                for index, hunk in enumerate(fp.hunks, 1):
-                    mine.append(
-                        MergeConflict(
-                            patch.name,
-                            fp.path,
-                            [f"hunk {index} ({hunk.header})"],
-                            (hunk.old_start, hunk.old_lines),
-                            None,
-                            (hunk.old_start, hunk.new_lines),
-                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream); "
-                            "--drop-removed drops such a file's hunks",
-                        )
-                    )
-                continue
-            if t is None:  # the patch deletes a file upstream changed
-                mine.append(
-                    MergeConflict(
-                        patch.name,
-                        fp.path,
-                        ["(file deletion)"],
-                        (1, split_lines(o)),
-                        (1, split_lines(b)),
-                        None,
-                        f"the patch deletes {fp.path}, which vLLM {new_release} changed",
-                    )
-                )
-                continue
-            merged, found = merge3(split_lines(o), split_lines(b), split_lines(t))
-            for o_start, o_chunk, b_start, b_chunk, t_start, t_chunk in found:
-                mine.append(
-                    MergeConflict(
-                        patch.name,
-                        fp.path,
-                        _hunks_over(fp, o_start, len(o_chunk)),
-                        (o_start + 1, o_chunk),
-                        (b_start + 1, b_chunk),
-                        (t_start + 1, t_chunk),
-                        f"vLLM {new_release} changed the lines this hunk changes",
-                    )
-                )
-            if stale and not found:
-                mine.append(
-                    MergeConflict(
-                        patch.name,
-                        fp.path,
-                        ["(hand resolution)"],
-                        None,
-                        None,
-                        None,
-                        "the hand-resolved file was made for another version of the patch or of a release",
-                    )
-                )
-            if found or stale:
-                if work:
-                    labels = (f"vLLM {new_release}", f"vLLM {old_release}", f"{patch.name} (the patch)")
-                    marked, _ = merge3(split_lines(o), split_lines(b), split_lines(t), labels)
-                    _write_work(work, patch.name, fp.path, "".join(marked), mine[before_conflicts:], inputs)
-                continue
-            merged_text = "".join(merged)
-            how[fp.path] = "merged"
-            result[fp.path] = merged_text
-            if merged_text != b:
-                out_sections.append(file_diff(fp.path, b, merged_text))
-            else:
-                log(f"  {patch.name}: vLLM {new_release} already has this change to {fp.path}: no section")
-        if mine:
-            conflicts.extend(mine)
+            run.carry_file(patch, fp, section, after[fp.path], out)
+        if out.conflicts:
+            conflicts.extend(out.conflicts)
             failed_patches.add(patch.name)
-            failed_files.update(c.path for c in mine)
-            log(f"  {patch.name}: {len(mine)} hunk(s) need a hand")
+            failed_files.update(c.path for c in out.conflicts)
+            log(f"  {patch.name}: {len(out.conflicts)} hunk(s) need a hand")
             continue
-        if not out_sections:
+        run.base_stage.update(after)
+        run.new_stage.update(out.result)
+        if not out.sections:
             log(f"  {patch.name}: nothing left to carry (vLLM {new_release} has it all, or it was dropped); left out")
             emptied.add(patch.name)
             failed_patches.add(patch.name)
-            base_stage.update(after)
-            new_stage.update(result)
             continue
         header = texts[patch.name][: texts[patch.name].find("diff --git ")]
         header = _retarget_header(header, old_release, new_release)
-        carried.append(Carried(patch, header + "".join(out_sections), result, how))
-        base_stage.update(after)
-        new_stage.update(result)
-        counts = ", ".join(f"{sum(1 for v in how.values() if v == k)} {k}" for k in sorted(set(how.values())))
+        carried.append(Carried(patch, header + "".join(out.sections), out.result, out.how))
+        counts = ", ".join(f"{sum(1 for v in out.how.values() if v == k)} {k}" for k in sorted(set(out.how.values())))
         log(f"  {patch.name}: carried ({counts})")
     return carried, conflicts, skipped
+
+
+@dataclasses.dataclass
+class _PatchOut:
+    """What carrying one patch gives: its file sections, the new release's files after it, how
+    each file was carried, and the hunks that need a hand."""
+
+    sections: list[str] = dataclasses.field(default_factory=list)
+    result: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    how: dict[str, str] = dataclasses.field(default_factory=dict)
+    conflicts: list[MergeConflict] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Rebase:
+    """One rebase: the two trees, the releases, the options, and each tree's files as the patches
+    carried so far leave them (the stages)."""
+
+    base: Tree
+    new: Tree
+    old_release: str
+    new_release: str
+    log: object
+    work: str | None
+    drop_removed: bool
+    base_stage: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    new_stage: dict[str, str | None] = dataclasses.field(default_factory=dict)
+
+    def carry_file(self, patch: Patch, fp: FilePatch, section: str, t: str | None, out: _PatchOut) -> None:
+        """Carry one file section of `patch`: o the base before the patch, t after it, b the new
+        release's file (each with the earlier patches)."""
+        o = self.base_stage[fp.path] if fp.path in self.base_stage else self.base.read(fp.path)
+        b = self.new_stage[fp.path] if fp.path in self.new_stage else self.new.read(fp.path)
+        if b == o:
+            out.how[fp.path] = "new file" if o is None else "unchanged upstream"
+            out.result[fp.path] = t
+            out.sections.append(section)
+            return
+        inputs = _inputs_digest(o, b, t)
+        resolved, stale = _resolution(self.work, patch.name, fp.path, inputs)
+        if resolved is not None:
+            out.how[fp.path] = "resolved by hand"
+            out.result[fp.path] = resolved
+            if resolved != b:
+                out.sections.append(file_diff(fp.path, b, resolved))
+            else:
+                self.log(f"  {patch.name}: {fp.path} resolved to vLLM {self.new_release}'s file as it is: no section")
+            return
+        if b is None and o is not None and self.drop_removed:
+            out.how[fp.path] = "dropped"
+            self.log(
+                f"  {patch.name}: dropped the {len(fp.hunks)} hunk(s) of {fp.path}, which vLLM {self.new_release} "
+                "does not have (--drop-removed)"
+            )
+            return
+        if o is None or b is None or t is None:
+            out.conflicts.extend(_unmergeable(patch, fp, o, b, t, self.new_release))
+            return
+        self._merge_file(patch, fp, (o, b, t), inputs, stale, out)
+
+    def _merge_file(self, patch: Patch, fp: FilePatch, texts: tuple, inputs: str, stale: bool, out: _PatchOut) -> None:
+        """The three-way merge of a file both the patch and upstream changed."""
+        o, b, t = texts
+        before_conflicts = len(out.conflicts)
+        merged, found = merge3(split_lines(o), split_lines(b), split_lines(t))
+        for o_start, o_chunk, b_start, b_chunk, t_start, t_chunk in found:
+            out.conflicts.append(
+                MergeConflict(
+                    patch.name,
+                    fp.path,
+                    _hunks_over(fp, o_start, len(o_chunk)),
+                    (o_start + 1, o_chunk),
+                    (b_start + 1, b_chunk),
+                    (t_start + 1, t_chunk),
+                    f"vLLM {self.new_release} changed the lines this hunk changes",
+                )
+            )
+        if stale and not found:
+            out.conflicts.append(
+                MergeConflict(
+                    patch.name,
+                    fp.path,
+                    ["(hand resolution)"],
+                    None,
+                    None,
+                    None,
+                    "the hand-resolved file was made for another version of the patch or of a release",
+                )
+            )
+        if found or stale:
+            if self.work:
+                labels = (f"vLLM {self.new_release}", f"vLLM {self.old_release}", f"{patch.name} (the patch)")
+                marked, _ = merge3(split_lines(o), split_lines(b), split_lines(t), labels)
+                _write_work(self.work, patch.name, fp.path, "".join(marked), out.conflicts[before_conflicts:], inputs)
+            return
+        merged_text = "".join(merged)
+        out.how[fp.path] = "merged"
+        out.result[fp.path] = merged_text
+        if merged_text != b:
+            out.sections.append(file_diff(fp.path, b, merged_text))
+        else:
+            self.log(f"  {patch.name}: vLLM {self.new_release} already has this change to {fp.path}: no section")
+
+
+def _unmergeable(
+    patch: Patch, fp: FilePatch, o: str | None, b: str | None, t: str | None, new_release: str
+) -> list[MergeConflict]:
+    """The conflicts of a file that cannot be merged line by line: the patch creates a file the new
+    release has (o None), upstream moved or removed it (b None), or the patch deletes it (t None)."""
+    if o is None:
+        return [
+            MergeConflict(
+                patch.name,
+                fp.path,
+                ["(the whole new file)"],
+                None,
+                (1, split_lines(b or "")),
+                (1, split_lines(t or "")),
+                f"the patch creates {fp.path}, but vLLM {new_release} has one",
+            )
+        ]
+    if b is None:
+        return [
+            MergeConflict(
+                patch.name,
+                fp.path,
+                [f"hunk {index} ({hunk.header})"],
+                (hunk.old_start, hunk.old_lines),
+                None,
+                (hunk.old_start, hunk.new_lines),
+                f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream); "
+                "--drop-removed drops such a file's hunks",
+            )
+            for index, hunk in enumerate(fp.hunks, 1)
+        ]
+    return [
+        MergeConflict(
+            patch.name,
+            fp.path,
+            ["(file deletion)"],
+            (1, split_lines(o)),
+            (1, split_lines(b)),
+            None,
+            f"the patch deletes {fp.path}, which vLLM {new_release} changed",
+        )
+    ]
 
 
 def _work_path(work: str, patch_name: str, path: str) -> str:
@@ -1714,12 +1609,19 @@ def write_series(output: str, files: dict[str, str], force: bool) -> None:
         raise
 
 
-def command_rebase(args) -> int:
-    if not args.base:
-        raise ToolError("rebase needs --base DIR: a pristine tree of the release the series was written for")
-    new_target = find_target(args.target, args.python)
-    base_target = find_target(args.base, None)
-    new_release = release_of(new_target.version)
+@dataclasses.dataclass
+class RebasePlan:
+    """What `rebase` carries where: the series folder, its release and the target's, the output."""
+
+    folder: str
+    old_release: str
+    new_release: str
+    output: str
+
+
+def _rebase_plan(args, base_target: Target, new_target: Target) -> RebasePlan:
+    """The series to carry (the base tree's, or --series'), checked against both trees."""
+    new_release = release_of(new_target.version) or new_target.version
     try:
         folder = series_dir(args.patches_dir, base_target.version, args.series)
     except NoSeries as e:
@@ -1727,13 +1629,14 @@ def command_rebase(args) -> int:
             f"--base {args.base} is vLLM {base_target.version}, which has no series; series exist for vLLM "
             f"{', '.join(e.found)}: give a pristine tree of one of those releases (--series picks which)"
         ) from e
+    base_release = release_of(base_target.version) or base_target.version
     if os.path.isfile(os.path.join(args.patches_dir, "series")):
-        old_release = release_of(base_target.version)
+        old_release = base_release
         if not args.output:
             raise ToolError("--patches-dir is a single series folder: give --output DIR for the rebased series")
     else:
         old_release = os.path.basename(os.path.normpath(folder)).removeprefix(SERIES_PREFIX)
-    if release_of(base_target.version) != old_release:
+    if base_release != old_release:
         raise ToolError(
             f"--base {args.base} is vLLM {base_target.version}, but the series {folder} was written for "
             f"{old_release}: give a pristine {old_release} tree"
@@ -1743,65 +1646,59 @@ def command_rebase(args) -> int:
     output = args.output or os.path.join(args.patches_dir, SERIES_PREFIX + new_release)
     if os.path.exists(output) and not args.force:
         raise Refusal(f"{output} exists; pass --force to replace it, or --output another folder")
+    return RebasePlan(folder, old_release, new_release, output)
 
-    patches = load_series(folder)
-    chosen = select(patches, args.names)
-    by_name = {p.name: p for p in patches}
+
+def _with_requires(patches: list[Patch], names: list[str]) -> tuple[list[Patch], list[str]]:
+    """The selected patches plus every patch they require (in series order), and the names added."""
+    chosen = select(patches, names)
     wanted = {p.name for p in chosen}
     for patch in reversed(patches):
         if patch.name in wanted:
             wanted.update(patch.requires)
     extra = [n for n in wanted if n not in {p.name for p in chosen}]
-    chosen = [p for p in patches if p.name in wanted]
-    texts = {}
-    for patch in chosen:
-        with open(os.path.join(folder, patch.name), encoding="utf-8") as f:
-            texts[patch.name] = f.read()
+    return [p for p in patches if p.name in wanted], extra
 
+
+def _rebase_trees(chosen: list[Patch], base_target: Target, new_target: Target, old_release: str) -> tuple[Tree, Tree]:
+    """The base and new trees, after checking that the base is pristine and takes every patch, and
+    that the new tree has none of them applied."""
     base = Tree(base_target.root)
     states = compute_states(base, chosen)
     dirty = [f"{n} is {s}{': ' + d if d else ''}" for n, (s, d) in states.items() if s != NOT_APPLIED]
     if dirty:
         raise ToolError(f"--base {base_target.root} is not a pristine vLLM {old_release}: " + "; ".join(dirty))
     run_plan(base, chosen, reverse=False)  # every patch applies on the base, in order
-    base = Tree(base_target.root)
     new = Tree(new_target.root)
     applied_there = [n for n, (s, _) in compute_states(new, chosen).items() if s == APPLIED]
     if applied_there:
         raise ToolError(
             f"{new_target.root} already has {', '.join(applied_there)} applied: rebase onto a pristine tree"
         )
+    return Tree(base_target.root), new
 
-    print(
-        f"rebasing series {os.path.join(folder, 'series')} (vLLM {old_release}) onto vLLM {new_target.version} "
-        f"({new_target.kind}) at {new_target.root}"
-    )
-    if extra:
-        print(
-            f"  also carrying {', '.join(sorted(extra, key=list(by_name).index))} (required by the patches asked for)"
+
+def _report_rebase_failure(args, conflicts: list[MergeConflict], skipped: list[str], plan: RebasePlan) -> int:
+    print(report_conflicts(conflicts, plan.old_release, plan.new_release, args.max_lines), file=sys.stderr)
+    for line in skipped:
+        print(f"  {line}", file=sys.stderr)
+    if args.work:
+        hint = (
+            f"edit the files named above under {args.work} (remove every conflict marker), "
+            "then run the same command again"
         )
-    carried, conflicts, skipped = rebase_series(
-        chosen, texts, base, new, old_release, new_release, work=args.work, drop_removed=args.drop_removed
-    )
-    if conflicts or skipped:
-        print(report_conflicts(conflicts, old_release, new_release, args.max_lines), file=sys.stderr)
-        for line in skipped:
-            print(f"  {line}", file=sys.stderr)
-        if args.work:
-            hint = (
-                f"edit the files named above under {args.work} (remove every conflict marker), "
-                "then run the same command again"
-            )
-        else:
-            hint = (
-                "carry the others alone (`rebase NAME ...`), or add --work DIR to get each file merged with "
-                "conflict markers to resolve by hand, then run the same command again"
-            )
-        print(f"error: {len(conflicts)} hunk(s) need a hand; no series was written. Next: {hint}", file=sys.stderr)
-        return 1
+    else:
+        hint = (
+            "carry the others alone (`rebase NAME ...`), or add --work DIR to get each file merged with "
+            "conflict markers to resolve by hand, then run the same command again"
+        )
+    print(f"error: {len(conflicts)} hunk(s) need a hand; no series was written. Next: {hint}", file=sys.stderr)
+    return 1
 
-    # Self-check: the written patches must apply on the new tree, in order, to exactly the merge.
-    check = Tree(new_target.root)
+
+def _check_carried(root: str, carried: list[Carried]) -> None:
+    """Self-check: the written patches must apply on the new tree, in order, to exactly the merge."""
+    check = Tree(root)
     for item in carried:
         reparsed = parse_patch(item.patch.name, item.text)
         staged = check.try_patch(reparsed, reverse=False, base=check.current)
@@ -1809,11 +1706,40 @@ def command_rebase(args) -> int:
         if any((staged[path] if path in staged else check.read(path)) != text for path, text in item.files.items()):
             raise ToolError(f"internal error: the rebased {item.patch.name} does not reproduce the merge")
         check.current.update(staged)
+
+
+def command_rebase(args) -> int:
+    if not args.base:
+        raise ToolError("rebase needs --base DIR: a pristine tree of the release the series was written for")
+    new_target = find_target(args.target, args.python)
+    base_target = find_target(args.base, None)
+    plan = _rebase_plan(args, base_target, new_target)
+    patches = load_series(plan.folder)
+    chosen, extra = _with_requires(patches, args.names)
+    texts = {}
+    for patch in chosen:
+        with open(os.path.join(plan.folder, patch.name), encoding="utf-8") as f:
+            texts[patch.name] = f.read()
+    base, new = _rebase_trees(chosen, base_target, new_target, plan.old_release)
+
+    print(
+        f"rebasing series {os.path.join(plan.folder, 'series')} (vLLM {plan.old_release}) onto vLLM "
+        f"{new_target.version} ({new_target.kind}) at {new_target.root}"
+    )
+    if extra:
+        order = [p.name for p in patches]
+        print(f"  also carrying {', '.join(sorted(extra, key=order.index))} (required by the patches asked for)")
+    carried, conflicts, skipped = rebase_series(
+        chosen, texts, base, new, plan.old_release, plan.new_release, work=args.work, drop_removed=args.drop_removed
+    )
+    if conflicts or skipped:
+        return _report_rebase_failure(args, conflicts, skipped, plan)
+    _check_carried(new_target.root, carried)
     files = {item.patch.name: item.text for item in carried}
-    files["series"] = _series_text(folder, list(files), old_release, new_release)
-    write_series(output, files, args.force)
-    print(f"wrote {len(carried)} patch(es) and a series file to {output}")
-    print(f"next: magpie/patches.py status --patches-dir {output} --target {new_target.root}")
+    files["series"] = _series_text(plan.folder, list(files), plan.old_release, plan.new_release)
+    write_series(plan.output, files, args.force)
+    print(f"wrote {len(carried)} patch(es) and a series file to {plan.output}")
+    print(f"next: magpie/patches.py status --patches-dir {plan.output} --target {new_target.root}")
     print("      then test it as patches/README.md says (apply, revert byte for byte, the suite)")
     return 0
 
@@ -2084,38 +2010,26 @@ def command_list(args) -> int:
     return 0
 
 
-def command_extract(args) -> int:
-    for path in extract_created(_listed_folders(args), args.output):
-        print(path)
-    return 0
+def _sources():
+    """magpie/vllm_modules/sources.py, which holds `extract`, `refresh` and `check-sources` beside
+    the module sources they read: imported from the package this file belongs to (a checkout or
+    the installed package), with this module standing for magpie.patches when run as a script
+    (so that its errors are the ones main() catches). A copy of this file on its own has none."""
+    here = sys.modules[__name__]
+    if __name__ != "magpie.patches":
+        if not os.path.isfile(os.path.join(MODULES_DIR, "sources.py")):
+            raise ToolError(
+                f"{MODULES_DIR}/sources.py not found: extract, refresh and check-sources need the magpie "
+                "checkout or installed package this file came from (a copy of patches.py on its own has "
+                "status, check, apply, revert, list and rebase)"
+            )
+        parent = os.path.dirname(_HERE)
+        if parent not in sys.path:
+            sys.path.insert(0, parent)
+        sys.modules.setdefault("magpie.patches", here)
+    import magpie.vllm_modules.sources as sources
 
-
-def _first_difference(a: str, b: str) -> str:
-    for lineno, (x, y) in enumerate(zip(a.splitlines() + [""], b.splitlines() + [""], strict=False), 1):
-        if x != y:
-            return f"line {lineno}: the patch has {x!r}, the source gives {y!r}"
-    return "the same lines, a different ending"
-
-
-def command_check_sources(args) -> int:
-    stale = refresh_series(_listed_folders(args), args.modules_dir, write=False)
-    for m in stale:
-        print(
-            f"{os.path.relpath(m.patch_file)}: {m.path} is not what {os.path.relpath(m.source)} generates for "
-            f"vLLM {m.release} ({_first_difference(m.shipped, m.generated)}); run `magpie/patches.py refresh`",
-            file=sys.stderr,
-        )
-    if stale:
-        return 1
-    print("every module the series create is what its source generates")
-    return 0
-
-
-def command_refresh(args) -> int:
-    for m in refresh_series(_listed_folders(args), args.modules_dir):
-        print(f"refreshed {os.path.relpath(m.patch_file)}: {m.path} from {os.path.relpath(m.source)}")
-    print("every module the series create is what its source generates")
-    return 0
+    return sources
 
 
 def command_status(args, target: Target) -> int:
@@ -2203,9 +2117,9 @@ def command_revert(args, target: Target) -> int:
 # a target (found before they run, so that a refusal can name it).
 COMMANDS = {
     "list": command_list,
-    "extract": command_extract,
-    "refresh": command_refresh,
-    "check-sources": command_check_sources,
+    "extract": lambda args: _sources().COMMANDS["extract"](args),
+    "refresh": lambda args: _sources().COMMANDS["refresh"](args),
+    "check-sources": lambda args: _sources().COMMANDS["check-sources"](args),
     "rebase": command_rebase,
 }
 TARGET_COMMANDS = {"status": command_status, "check": command_apply, "apply": command_apply, "revert": command_revert}
@@ -2234,6 +2148,7 @@ def main(argv: list[str] | None = None) -> int:
             previous[getattr(signal, name)] = signal.signal(getattr(signal, name), _raise_interrupted)
     try:
         status = _main(args)
+        sys.stdout.flush()
         if HELD_SIGNALS:
             name = signal.Signals(HELD_SIGNALS[0]).name
             print(
@@ -2247,6 +2162,11 @@ def main(argv: list[str] | None = None) -> int:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"error: interrupted by {signal.Signals(signum).name}; nothing was changed", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:
+        # The reader of stdout stopped early (`| head`): 141, as for a process killed by SIGPIPE.
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
@@ -2279,18 +2199,5 @@ def _main(args) -> int:
         return 1
 
 
-def run_piped(entry) -> int:
-    """entry()'s status; a reader that closed our stdout (`| head`) ends it quietly with 141, the
-    status of a process killed by SIGPIPE, as a C tool would, not with a traceback."""
-    try:
-        status = entry()
-        sys.stdout.flush()
-        return status
-    except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-
-
 if __name__ == "__main__":
-    sys.exit(run_piped(main))
+    sys.exit(main())

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from magpie import patches as tool
+from magpie.vllm_modules import sources
 from tests.releases import each_series, sdist_tree, series_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,7 +158,7 @@ def test_check_sources_passes_for_0_34_0_and_a_release_without_blocks_takes_the_
     shutil.copytree(PATCHES / "vllm-0.33.0", root / "vllm-0.35.0")
     for patch in (root / "vllm-0.35.0").rglob("*.patch"):
         patch.write_text(re.sub(r"^Target: vllm 0\.33\.0$", "Target: vllm 0.35.0", patch.read_text(), flags=re.M))
-    assert any("ple_mmap.py" in m.path for m in tool.shipped_modules(str(root / "vllm-0.35.0")))
+    assert any("ple_mmap.py" in m.path for m in sources.shipped_modules(str(root / "vllm-0.35.0")))
     proc = run_tool("check-sources", "--patches-dir", str(root))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every module the series create is what its source generates" in proc.stdout
