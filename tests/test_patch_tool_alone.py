@@ -1,7 +1,8 @@
 """magpie/patches.py copied on its own beside a patches/ folder, as patches/README.md promises it
 works: no magpie package, Python in isolated mode (-I), the real 0.29.0 series on a copy of the
-pristine 0.29.0 sdist. status, apply and revert work there; the subcommands that read the module
-sources (refresh, check-sources, extract) are refused in one line naming what they need.
+pristine 0.29.0 sdist. status, apply and revert work there; the subcommands kept in other files
+(rebase; refresh, check-sources and extract, which read the module sources) are refused in one
+line naming what they need.
 """
 
 from __future__ import annotations
@@ -74,12 +75,20 @@ def test_the_tool_copied_alone_applies_reports_and_reverts_byte_for_byte(alone, 
     assert digest(tree) == before
 
 
-@pytest.mark.parametrize("command", [["refresh"], ["check-sources"], ["extract", "--output", "out"]])
-def test_the_source_commands_copied_alone_say_what_they_need(alone, command):
+@pytest.mark.parametrize(
+    ("command", "needs"),
+    [
+        (["refresh"], "vllm_modules/sources.py not found: extract, refresh and check-sources need"),
+        (["check-sources"], "vllm_modules/sources.py not found: extract, refresh and check-sources need"),
+        (["extract", "--output", "out"], "vllm_modules/sources.py not found: extract, refresh and check-sources need"),
+        (["rebase", "--base", "x", "--target", "y"], "patch_rebase.py not found: rebase needs"),
+    ],
+)
+def test_the_parts_in_other_files_copied_alone_say_what_they_need(alone, command, needs):
     proc = run(alone, *command, cwd=alone.parent)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "sources.py not found: extract, refresh and check-sources need the magpie checkout" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert needs + " the magpie checkout or installed package this file came from" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (alone.parent / "out").exists()
 
 
 def test_the_tool_copied_alone_ends_quietly_when_its_reader_stops(alone):

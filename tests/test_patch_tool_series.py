@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from magpie import patch_rebase
 from magpie import patches as tool
 from magpie.vllm_modules import sources
 from tests.releases import each_series, sdist_tree, series_dir
@@ -132,7 +133,9 @@ def test_a_hand_resolution_equal_to_upstream_gets_no_section_and_git_applies_the
     resolved = work / "mtp_pruning" / "0001-draft-vocab-pruning"
     utils = "vllm/v1/worker/gpu/spec_decode/eagle/utils.py"
     mtp = "vllm/model_executor/models/qwen3_5_mtp.py"
-    assert tool.has_markers((resolved / utils).read_text()) and tool.has_markers((resolved / mtp).read_text())
+    assert patch_rebase.has_markers((resolved / utils).read_text()) and patch_rebase.has_markers(
+        (resolved / mtp).read_text()
+    )
     (resolved / utils).write_text((new / utils).read_text())
     upstream_side = re.compile(r"^<<<<<<< .*?\n(.*?)^\|\|\|\|\|\|\| .*?^>>>>>>> .*?\n", re.M | re.S)
     (resolved / mtp).write_text(upstream_side.sub(r"\1", (resolved / mtp).read_text()))
