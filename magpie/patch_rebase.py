@@ -711,7 +711,7 @@ def command_rebase(args) -> int:
     return 0
 
 
-def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     """The `rebase` subcommand of the patch tool's parser (`sub`), with its options."""
     p_rebase = sub.add_parser(
         "rebase",
@@ -744,4 +744,3 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p_rebase.add_argument(
         "--max-lines", type=int, default=40, metavar="N", help="lines shown per side of a conflict (0: all; default 40)"
     )
-    return p_rebase

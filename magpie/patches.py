@@ -323,8 +323,6 @@ def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
 
 
 SERIES_PREFIX = "vllm-"
-# The module sources the series ship (magpie/vllm_modules/sources.py reads them): --modules-dir.
-MODULES_DIR = os.path.join(_HERE, "vllm_modules")
 
 
 def release_of(version: str | None) -> str | None:
@@ -1216,6 +1214,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    common = _common_options()
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_target_commands(sub, common)
+    sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
+    _add_part(sub, common, _sources, ("extract", "refresh", "check-sources"))
+    _add_part(sub, common, _rebase, ("rebase",))
+    return parser
+
+
+def _common_options() -> argparse.ArgumentParser:
+    """The options every subcommand takes: the target, the series, the lock's wait."""
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_argument_group("target (one of)")
     where.add_argument("--python", metavar="PY", help="interpreter whose installed vllm package is the target")
@@ -1237,7 +1246,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RELEASE",
         help="use this release's series (e.g. 0.33.0) instead of the one matching the target's vLLM version",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    return common
+
+
+def _add_target_commands(sub, common: argparse.ArgumentParser) -> None:
+    """status, check, apply and revert: the subcommands that work on a target tree."""
     p_status = sub.add_parser("status", parents=[common], help="report each patch: applied, not applied, conflicting")
     p_status.add_argument("names", nargs="*", metavar="NAME", help="patches to report (default: all)")
     p_status.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -1261,36 +1274,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--with-dependents", action="store_true", help="also revert applied patches that require them (default: refuse)"
     )
     p_revert.add_argument("--dry-run", action="store_true", help="check and report, change nothing")
-    sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
-    p_extract = sub.add_parser(
-        "extract",
-        parents=[common],
-        help="write the files the series create, as each patch leaves them, to lint them as Python",
-        description="Write every file the series create (default: every series under --patches-dir; "
-        "--series or a target picks one) to OUTPUT/vllm-<release>/<patch>/<path>, as each patch that "
-        "touches it leaves it. No vLLM tree is needed: the patches' hunks build the files.",
-    )
-    p_extract.add_argument("--output", metavar="DIR", required=True, help="folder to write (must be new or empty)")
-    for name, help_text in (
-        ("refresh", "rewrite the new-file hunks of the series from their sources (magpie/vllm_modules/)"),
-        ("check-sources", "exit 1 when a new-file hunk differs from what its source generates"),
-    ):
-        p_sources = sub.add_parser(
-            name,
-            parents=[common],
-            help=help_text,
-            description=f"{help_text[0].upper()}{help_text[1:]}. Every Python file a patch creates is kept once, "
-            "in --modules-dir (same file name); what differs between releases sits in its `# [release X.Y.Z]` "
-            "... `# [release end]` section, and each series ships the lines of its own release. Default: every "
-            "series under --patches-dir. Needs the checkout (the sources are not installed).",
-        )
-        p_sources.add_argument(
-            "--modules-dir",
-            default=MODULES_DIR,
-            help="the folder holding one source per shipped module (default: %(default)s)",
-        )
-    _add_rebase(sub, common)
-    return parser
+
+
+def _add_part(sub, common: argparse.ArgumentParser, part, names: tuple[str, ...]) -> None:
+    """The subcommands `names` of a part kept in its own file (its add_parsers); a copy of this file
+    on its own lists them, and running one says what it needs."""
+    try:
+        module = part()
+    except ToolError:
+        for name in names:
+            # Every argument taken as it comes (no option parsed), so that running it gives the reason.
+            stub = sub.add_parser(
+                name, help="(not in a copy of patches.py on its own)", add_help=False, prefix_chars="\0"
+            )
+            stub.add_argument("rest", nargs="*")
+        return
+    module.add_parsers(sub, common)
 
 
 def _listed_folders(args) -> list[str]:
@@ -1346,22 +1345,6 @@ def _sources():
 def _rebase():
     """magpie/patch_rebase.py: rebase."""
     return _part("patch_rebase", "rebase needs")
-
-
-def _add_rebase(sub, common: argparse.ArgumentParser) -> None:
-    """The `rebase` subcommand; a copy of this file on its own lists it, and running it says what
-    it needs."""
-    try:
-        _rebase().add_parser(sub, common)
-    except ToolError:
-        # Every argument taken as it comes (no option parsed), so that running it gives the reason.
-        p_rebase = sub.add_parser(
-            "rebase",
-            help="carry a series onto another vLLM release (not in a copy of patches.py on its own)",
-            add_help=False,
-            prefix_chars="\0",
-        )
-        p_rebase.add_argument("rest", nargs="*")
 
 
 def command_status(args, target: Target) -> int:

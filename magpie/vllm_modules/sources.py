@@ -22,6 +22,7 @@ not a shipped module and the project's ruff lints it (pyproject.toml excludes th
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -216,3 +217,34 @@ def command_refresh(args) -> int:
 
 
 COMMANDS = {"extract": command_extract, "refresh": command_refresh, "check-sources": command_check_sources}
+
+
+def add_parsers(sub, common: argparse.ArgumentParser) -> None:
+    """The patch tool's `extract`, `refresh` and `check-sources` subcommands, with their options."""
+    p_extract = sub.add_parser(
+        "extract",
+        parents=[common],
+        help="write the files the series create, as each patch leaves them, to lint them as Python",
+        description="Write every file the series create (default: every series under --patches-dir; "
+        "--series or a target picks one) to OUTPUT/vllm-<release>/<patch>/<path>, as each patch that "
+        "touches it leaves it. No vLLM tree is needed: the patches' hunks build the files.",
+    )
+    p_extract.add_argument("--output", metavar="DIR", required=True, help="folder to write (must be new or empty)")
+    for name, help_text in (
+        ("refresh", "rewrite the new-file hunks of the series from their sources (magpie/vllm_modules/)"),
+        ("check-sources", "exit 1 when a new-file hunk differs from what its source generates"),
+    ):
+        p_sources = sub.add_parser(
+            name,
+            parents=[common],
+            help=help_text,
+            description=f"{help_text[0].upper()}{help_text[1:]}. Every Python file a patch creates is kept once, "
+            "in --modules-dir (same file name); what differs between releases sits in its `# [release X.Y.Z]` "
+            "... `# [release end]` section, and each series ships the lines of its own release. Default: every "
+            "series under --patches-dir. Needs the checkout (the sources are not installed).",
+        )
+        p_sources.add_argument(
+            "--modules-dir",
+            default=MODULES_DIR,
+            help="the folder holding one source per shipped module (default: %(default)s)",
+        )
