@@ -15,8 +15,9 @@ patch states what it requires in its header.
 
 The series: installed (`pip install .`), the copy the package carries (magpie/patch_series/); in
 a checkout, ../patches. Copied on its own beside a patches/ folder (or given --patches-dir), the
-file does everything but `refresh` and `check-sources`, which read the one source of each module
-the patches create (magpie/vllm_modules/ of the checkout).
+file does status, check, apply, revert and list; `rebase` (magpie/patch_rebase.py), `diff`
+(magpie/patch_diff.py) and `refresh`, `check-sources` and `extract` (magpie/vllm_modules/
+sources.py, beside the module sources they read) need the checkout or the installed package.
 
 Everything is checked before anything changes: an apply or revert that cannot go through
 completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not). The
@@ -34,6 +35,17 @@ SIGINT/SIGTERM; 141 the reader of stdout stopped early (`| head`), as for a proc
 SIGPIPE. A `revert` of every applied patch is refused (1) while a patch is
 conflicting: the tree would be neither stock nor patched.
 """
+
+# Why this file is ~1,500 lines: it is the patch tool a user copies on its own (patches/README.md),
+# so everything `status`, `check`, `apply`, `revert` and `list` need must sit in this one file,
+# standard library only: the header parser, the series lookup, the exact-match hunk applier, the
+# target discovery (a tree, a site-packages folder, an interpreter), the journal that writes a
+# change set whole through signals and crashes, the per-tree lock, and the command line. What a
+# copied tool does not need lives elsewhere: the three-way merge and `rebase` in
+# magpie/patch_rebase.py, `diff` in magpie/patch_diff.py, the module sources' `refresh`,
+# `check-sources` and `extract` in magpie/vllm_modules/sources.py, the tools' run_piped in
+# magpie/cli.py. The release lookup (release_of, release_key, the series folders) is defined here
+# once and magpie/releases.py imports it, because this file cannot import anything of the package.
 
 from __future__ import annotations
 
@@ -1220,6 +1232,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
     _add_part(sub, common, _sources, ("extract", "refresh", "check-sources"))
     _add_part(sub, common, _rebase, ("rebase",))
+    _add_part(sub, common, _diff, ("diff",))
     return parser
 
 
@@ -1347,6 +1360,11 @@ def _rebase():
     return _part("patch_rebase", "rebase needs")
 
 
+def _diff():
+    """magpie/patch_diff.py: diff (a patch written again from an edited tree)."""
+    return _part("patch_diff", "diff needs")
+
+
 def command_status(args, target: Target) -> int:
     folder = series_dir(args.patches_dir, target.version, args.series)
     patches = load_series(folder)
@@ -1436,6 +1454,7 @@ COMMANDS = {
     "refresh": lambda args: _sources().COMMANDS["refresh"](args),
     "check-sources": lambda args: _sources().COMMANDS["check-sources"](args),
     "rebase": lambda args: _rebase().command_rebase(args),
+    "diff": lambda args: _diff().command_diff(args),
 }
 TARGET_COMMANDS = {"status": command_status, "check": command_apply, "apply": command_apply, "revert": command_revert}
 

@@ -1,7 +1,7 @@
 """magpie/patches.py copied on its own beside a patches/ folder, as patches/README.md promises it
 works: no magpie package, Python in isolated mode (-I), the real 0.29.0 series on a copy of the
 pristine 0.29.0 sdist. status, apply and revert work there; the subcommands kept in other files
-(rebase; refresh, check-sources and extract, which read the module sources) are refused in one
+(rebase, diff; refresh, check-sources and extract, which read the module sources) are refused in one
 line naming what they need.
 """
 
@@ -82,6 +82,7 @@ def test_the_tool_copied_alone_applies_reports_and_reverts_byte_for_byte(alone, 
         (["check-sources"], "vllm_modules/sources.py not found: extract, refresh and check-sources need"),
         (["extract", "--output", "out"], "vllm_modules/sources.py not found: extract, refresh and check-sources need"),
         (["rebase", "--base", "x", "--target", "y"], "patch_rebase.py not found: rebase needs"),
+        (["diff", "ple_ssd/0001", "--base", "x"], "patch_diff.py not found: diff needs"),
     ],
 )
 def test_the_parts_in_other_files_copied_alone_say_what_they_need(alone, command, needs):
