@@ -36,7 +36,6 @@ import sys
 from collections.abc import Callable, Sequence
 
 from magpie import files
-from magpie.patches import run_piped  # the patch tool stands alone, so it holds the one copy
 
 __all__ = [
     "DEFAULT_HOST",
@@ -188,6 +187,20 @@ def require_modules(tool: str, *modules: str) -> None:
             "set up by tests/env/setup.sh, or `nix develop`\n"
         )
         raise SystemExit(2)
+
+
+def run_piped(entry: Callable[[], int | None]) -> int | None:
+    """entry()'s status; a reader that closed our stdout (`| head`) ends it quietly with 141, the
+    status of a process killed by SIGPIPE, as a C tool would, not with a traceback. (The patch
+    tool, which must run copied on its own, does the same inside its own main.)"""
+    try:
+        status = entry()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ patch states what it requires in its header.
 
 The series: installed (`pip install .`), the copy the package carries (magpie/patch_series/); in
 a checkout, ../patches. Copied on its own beside a patches/ folder (or given --patches-dir), the
-file does everything but `refresh` and `check-sources`, which read the one source of each module
-the patches create (magpie/vllm_modules/ of the checkout).
+file does status, check, apply, revert and list; `rebase` (magpie/patch_rebase.py), `diff`
+(magpie/patch_diff.py) and `refresh`, `check-sources` and `extract` (magpie/vllm_modules/
+sources.py, beside the module sources they read) need the checkout or the installed package.
 
 Everything is checked before anything changes: an apply or revert that cannot go through
 completely changes no file. Hunks must match exactly (an offset is allowed, fuzz is not). The
@@ -35,6 +36,17 @@ SIGPIPE. A `revert` of every applied patch is refused (1) while a patch is
 conflicting: the tree would be neither stock nor patched.
 """
 
+# Why this file is ~1,500 lines: it is the patch tool a user copies on its own (patches/README.md),
+# so everything `status`, `check`, `apply`, `revert` and `list` need must sit in this one file,
+# standard library only: the header parser, the series lookup, the exact-match hunk applier, the
+# target discovery (a tree, a site-packages folder, an interpreter), the journal that writes a
+# change set whole through signals and crashes, the per-tree lock, and the command line. What a
+# copied tool does not need lives elsewhere: the three-way merge and `rebase` in
+# magpie/patch_rebase.py, `diff` in magpie/patch_diff.py, the module sources' `refresh`,
+# `check-sources` and `extract` in magpie/vllm_modules/sources.py, the tools' run_piped in
+# magpie/cli.py. The release lookup (release_of, release_key, the series folders) is defined here
+# once and magpie/releases.py imports it, because this file cannot import anything of the package.
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +57,7 @@ import difflib
 import fcntl
 import glob
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -321,198 +334,21 @@ def load_new_module(patch_file: str | os.PathLike, path: str, name: str):
     return load_file(source, name)
 
 
-def created_files(patches: list[Patch]) -> dict[tuple[str, str], str]:
-    """{(patch name, path): text} of every file the series creates, as each patch that touches it
-    leaves it (a file 0001 creates and 0002 edits appears twice), in series order. The patches'
-    own hunks build the text: no vLLM tree is needed. A file a later patch deletes is not listed
-    for that patch."""
-    current: dict[str, str | None] = {}
-    found: dict[tuple[str, str], str] = {}
-    for patch in patches:
-        for fp in patch.files:
-            if fp.path not in current and fp.old_exists:
-                continue  # a vLLM file the patch edits, not one the series ships
-            try:
-                text = apply_file(fp, current.get(fp.path), reverse=False)
-            except Conflict as e:
-                raise ToolError(f"{patch.name}: {e}") from None
-            current[fp.path] = text
-            if text is not None:
-                found[(patch.name, fp.path)] = text
-    return found
-
-
-def extract_created(folders: list[str], output: str) -> list[str]:
-    """Write created_files() of each series folder to OUTPUT/<series folder>/<patch>/<path>;
-    return the paths written. OUTPUT must not exist or be empty."""
-    if os.path.exists(output) and os.listdir(output):
-        raise ToolError(f"--output {output} exists and is not empty")
-    written = []
-    for folder in folders:
-        for (name, path), text in created_files(load_series(folder)).items():
-            dest = os.path.join(output, os.path.basename(os.path.normpath(folder)), name.removesuffix(".patch"), path)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with open(dest, "w", encoding="utf-8") as f:
-                f.write(text)
-            written.append(dest)
-    return written
-
-
-# --------------------------------------------------------------------------- shipped modules
-# Every Python file a patch creates (a new-file hunk) has one source in the checkout, under
-# magpie/vllm_modules/ (same file name): `refresh` writes the hunks from the sources, `check-sources`
-# fails when a hunk differs from what its source generates. What differs between releases sits in
-# one `# [release X.Y.Z]` ... `# [release end]` section of the source; the file a series ships keeps
-# the lines of its own release (the Target of the patch) and drops the others and the markers. A
-# release without a block of its own takes the nearest older release's (a new release needs no
-# edit here unless what it needs differs).
-MODULES_DIR = os.path.join(_HERE, "vllm_modules")
-_RELEASE_MARK = re.compile(r"^# \[release (?P<what>\d+(?:\.\d+)*|end)\]$")
-
-
-def render_module(text: str, release: str, source: str = "module") -> str:
-    """`text` (a module source) as the series of vLLM `release` ships it: the lines of that
-    release's `# [release ...]` block kept (no block of its own: the nearest older release's),
-    every other release's block and the markers dropped."""
-    out, block, seen = [], None, []
-    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
-        mark = _RELEASE_MARK.match(line.rstrip("\n"))
-        if not mark:
-            if block is None or block == release:
-                out.append(line)
-            continue
-        what = mark.group("what")
-        if what == "end":
-            if block is None:
-                raise ToolError(f"{source}:{lineno}: `# [release end]` without a `# [release X.Y.Z]` above it")
-            block = None
-            continue
-        if what in seen:
-            raise ToolError(f"{source}:{lineno}: a second `# [release {what}]` block; keep one per release")
-        block = what
-        seen.append(what)
-    if block is not None:
-        raise ToolError(f"{source}: the `# [release {block}]` block has no `# [release end]`")
-    if seen and release not in seen:
-        older = [what for what in seen if _release_key(what) < _release_key(release)]
-        if not older:
-            raise ToolError(
-                f"{source}: no `# [release {release}]` block and none for an older release (it has "
-                f"{', '.join(seen)}): add the lines vLLM {release} needs there"
-            )
-        # A release without a block of its own ships the nearest older release's lines.
-        return render_module(text, max(older, key=_release_key), source)
-    return "".join(out)
-
-
-@dataclasses.dataclass
-class ShippedModule:
-    patch: Patch
-    patch_file: str  # the patch file holding the new-file hunk
-    path: str  # where it lands in vLLM's tree
-    source: str  # magpie/vllm_modules/<name>
-    release: str
-    shipped: str  # the text the hunk creates now
-    generated: str  # the text the source generates for `release`
-
-
-def shipped_modules(folder: str, modules_dir: str = MODULES_DIR) -> list[ShippedModule]:
-    """Every Python file the series in `folder` creates, with its source and what the source
-    generates. A created .py file without a source is an error naming the file to add."""
-    found = []
-    for patch in load_series(folder):
-        release = release_of(patch.fields["target"].split()[-1])
-        for fp in patch.files:
-            if fp.old_exists or not fp.new_exists or not fp.path.endswith(".py"):
-                continue
-            source = os.path.join(modules_dir, os.path.basename(fp.path))
-            if not os.path.isfile(source):
-                raise ToolError(
-                    f"{patch.name} creates {fp.path}, which has no source {source}: every module a patch "
-                    "creates is kept there once (copy the file there, then run `refresh`)"
-                )
-            with open(source, encoding="utf-8") as f:
-                generated = render_module(f.read(), release, os.path.relpath(source))
-            shipped = "".join(line for hunk in fp.hunks for line in hunk.new_lines)
-            patch_file = os.path.join(folder, patch.name)
-            found.append(ShippedModule(patch, patch_file, fp.path, source, release, shipped, generated))
-    return found
-
-
-def refresh_patch_text(text: str, path: str, content: str) -> str:
-    """The patch `text` with its new-file section for `path` rewritten to create `content`."""
-    header, sections = text[: text.index("diff --git ")], _sections(text)
-    first = f"diff --git a/{path} b/{path}\n"
-    hits = [i for i, section in enumerate(sections) if section.startswith(first)]
-    if len(hits) != 1:
-        raise ToolError(f"{len(hits)} diff sections for {path} (expected one)")
-    sections[hits[0]] = file_diff(path, None, content)
-    return header + "".join(sections)
-
-
-def refresh_series(folders: list[str], modules_dir: str = MODULES_DIR, write: bool = True) -> list[ShippedModule]:
-    """The shipped modules whose hunk differs from their source's text; with `write`, each such
-    patch file is rewritten from the source (nothing else in it changes)."""
-    stale = [m for folder in folders for m in shipped_modules(folder, modules_dir) if m.shipped != m.generated]
-    if write:
-        for module in stale:
-            with open(module.patch_file, encoding="utf-8") as f:
-                text = f.read()
-            _write_text(module.patch_file, refresh_patch_text(text, module.path, module.generated))
-    return stale
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
 SERIES_PREFIX = "vllm-"
 
-REBASE_HELP = """\
-Carry a series from the vLLM release it was written for onto another release's source.
 
-For each patch, in series order, and each file it touches, three versions are merged: the file
-in the pristine base release (--base, with the series' earlier patches applied), the same file
-with the patch applied, and the file in the new release (--target or --python, with the earlier
-rebased patches applied). Where upstream left a file as it was, the patch's section is kept
-verbatim; where it changed, the patch's change is merged in (a diff3-style merge done with the
-standard library's difflib: git is not needed). Files a patch creates are carried as they are.
-
-The rebased patches keep their headers (`Target:` names the new release, `Rebased-From:` the old
-one) and go, with a series file, into PATCHES_DIR/vllm-<new release>/ (or --output DIR); an
-existing folder is replaced only with --force. Before writing, every rebased patch is applied in
-memory to the new tree to check that it reproduces the merge.
-
-If any hunk needs a hand (upstream changed the lines a hunk changes, moved or removed a file the
-patch edits, or already has a file the patch creates) each one is reported: the patch, the file,
-the patch's hunk, and the region as the old release had it, as the new release has it, and as
-the patch makes it. Then no series is written (exit 1). To finish by hand, add --work DIR: each
-such file is written to DIR/<patch>/<path>, merged, with diff3-style markers around each conflict
-(<<<<<<< the new release, ||||||| the old one, ======= the patch's side, >>>>>>>). Edit them
-(every marker removed) and run the same command again: a file there without markers is taken as
-that patch's version of the file, and the patches after it are carried on top of it. Without
---work nothing at all is written. A file the new release no longer has: --drop-removed drops the
-patch's hunks of it (each file named) instead. No file section of the output is ever empty: a
-file whose merge (or hand resolution) equals the new release's file gets none, and a patch left
-with no section is left out of the series, said so.
-
-    python3 tests/env/fetch_sdist.py 0.29.0 ~/sdist        # a pristine base tree (or a checkout)
-    magpie/patches.py rebase --base ~/sdist/vllm-0.29.0 --python ~/venvs/vllm-0.31/bin/python
-    magpie/patches.py rebase mtp_pruning --series 0.29.0 --base ~/sdist/vllm-0.29.0 \\
-        --target ~/src/vllm --output /tmp/vllm-0.31.0-series --work /tmp/rebase-work
-
---series picks the series to carry (default: the one for --base's release). Neither tree is
-changed. Exit codes: 0 written; 1 conflicts or the output exists (nothing written); 2 usage or
-target error.
-"""
+def release_of(version: str | None) -> str | None:
+    """The release a version string belongs to: "0.29.0+cpu" -> "0.29.0", "0.33.0rc1" -> "0.33.0",
+    "0.33.1.dev3" -> "0.33.1", "v0.34.0" -> "0.34.0"; None when it is not MAJOR.MINOR.PATCH at all
+    ("0.33", "unknown"). The one definition: magpie/releases.py imports it."""
+    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", (version or "").strip())
+    return ".".join(m.groups()) if m else None
 
 
-def release_of(version: str) -> str:
-    """The release a version string belongs to: "0.29.0+cpu" -> "0.29.0", "0.33.0rc1" -> "0.33.0"."""
-    m = re.match(r"(\d+(?:\.\d+)*)", version)
-    return m.group(1) if m else version
+def release_key(release: str) -> tuple[int, ...]:
+    """A release as a tuple that sorts as the releases do ("0.9.0" before "0.10.0"); a part that is
+    not a number sorts first (-1). The one definition: magpie/releases.py imports it."""
+    return tuple(int(part) if part.isdigit() else -1 for part in release.split("."))
 
 
 def available_series(root: str) -> dict[str, str]:
@@ -522,7 +358,7 @@ def available_series(root: str) -> dict[str, str]:
         folder = os.path.dirname(series_file)
         found[os.path.basename(folder).removeprefix(SERIES_PREFIX)] = folder
 
-    return {release: found[release] for release in sorted(found, key=_release_key)}
+    return {release: found[release] for release in sorted(found, key=release_key)}
 
 
 class NoSeries(ToolError):
@@ -530,12 +366,13 @@ class NoSeries(ToolError):
 
     def __init__(self, version: str, found: dict[str, str]):
         self.version, self.found = version, found
-        self.nearest = nearest_series(release_of(version), list(found))
+        self.release = release_of(version) or version  # "unknown", "0.1.dev1": said as it is
+        self.nearest = nearest_series(self.release, list(found))
         super().__init__(self.advice("--target DIR"))
 
     def advice(self, where: str) -> str:
         listing = ", ".join(self.found)
-        release = release_of(self.version)
+        release = self.release
         return (
             f"no series for vLLM {self.version}; series exist for vLLM {listing}.\n"
             f"  try the nearest one as it is:\n"
@@ -547,15 +384,11 @@ class NoSeries(ToolError):
         )
 
 
-def _release_key(release: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else -1 for x in release.split("."))
-
-
 def nearest_series(release: str, releases: list[str]) -> str:
     """The series closest to `release` by minor version (the older one on a tie)."""
 
     def distance(other: str) -> tuple:
-        a, b = (_release_key(release) + (0, 0, 0))[:3], (_release_key(other) + (0, 0, 0))[:3]
+        a, b = (release_key(release) + (0, 0, 0))[:3], (release_key(other) + (0, 0, 0))[:3]
         return (abs(a[0] - b[0]), abs(a[1] - b[1]), abs(a[2] - b[2]), b > a)
 
     return min(releases, key=distance)
@@ -578,11 +411,11 @@ def series_dir(patches_dir: str, version: str | None, wanted: str | None = None)
     listing = ", ".join(found)
     if wanted:
         release = release_of(wanted.removeprefix(SERIES_PREFIX))
-        if release not in found:
+        if release is None or release not in found:
             raise ToolError(f"--series {wanted}: no such series; series exist for vLLM {listing}")
         return found[release]
-    release = release_of(version or "unknown")
-    if release in found:
+    release = release_of(version)
+    if release is not None and release in found:
         return found[release]
     raise NoSeries(version or "unknown", found)
 
@@ -1199,114 +1032,7 @@ def find_target(target: str | None, python: str | None) -> Target:
 
 
 # --------------------------------------------------------------------------------------------
-# Rebasing a series onto another release: a three-way merge per file, stdlib only (difflib)
-
-
-@dataclasses.dataclass
-class MergeConflict:
-    patch: str
-    path: str
-    hunks: list[str]  # the patch's hunks that touch the region, e.g. "hunk 3 (@@ -1507,8 +1519,57 @@ ...)"
-    base: tuple[int, list[str]] | None  # (first line, lines) in the release the series was written for
-    ours: tuple[int, list[str]] | None  # the same region in the new release (None: file absent)
-    theirs: tuple[int, list[str]] | None  # what the patch makes of it (None: the patch deletes the file)
-    reason: str
-
-
-def _matches_of(a: list[str], b: list[str]) -> dict[int, int]:
-    """Line i of `a` -> line j of `b` for the lines difflib pairs up (monotonic)."""
-    pairs: dict[int, int] = {}
-    for i, j, n in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
-        for k in range(n):
-            pairs[i + k] = j + k
-    return pairs
-
-
-def merge3(base: list[str], ours: list[str], theirs: list[str], labels: tuple[str, str, str] | None = None):
-    """diff3-style merge of the change base -> theirs into ours.
-
-    Returns (lines, conflicts); each conflict is (base_start, base_chunk, ours_start, ours_chunk,
-    theirs_start, theirs_chunk), and `lines` keeps ours' side where a conflict is, or, given
-    `labels` (ours, base, theirs), all three sides between diff3-style conflict markers.
-    """
-    to_ours, to_theirs = _matches_of(base, ours), _matches_of(base, theirs)
-    merged: list[str] = []
-    conflicts = []
-    o = a = b = 0  # positions in base, theirs, ours
-    while o < len(base) or a < len(theirs) or b < len(ours):
-        if o < len(base) and to_ours.get(o) == b and to_theirs.get(o) == a:
-            merged.append(base[o])
-            o, a, b = o + 1, a + 1, b + 1
-            continue
-        nxt = o
-        while nxt < len(base) and not (nxt in to_ours and nxt in to_theirs):
-            nxt += 1
-        b2 = to_ours[nxt] if nxt < len(base) else len(ours)
-        a2 = to_theirs[nxt] if nxt < len(base) else len(theirs)
-        chunk_o, chunk_b, chunk_a = base[o:nxt], ours[b:b2], theirs[a:a2]
-        if chunk_b == chunk_o or chunk_b == chunk_a:
-            merged.extend(chunk_a)
-        elif chunk_a == chunk_o:
-            merged.extend(chunk_b)
-        else:
-            both = _merge_disjoint(chunk_o, chunk_b, chunk_a)
-            if both is None:
-                conflicts.append((o, chunk_o, b, chunk_b, a, chunk_a))
-                if labels:
-                    merged.append(f"{MARKERS[0]} {labels[0]}\n")
-                    merged.extend(_terminated(chunk_b))
-                    merged.append(f"{MARKERS[1]} {labels[1]}\n")
-                    merged.extend(_terminated(chunk_o))
-                    merged.append(f"{MARKERS[2]}\n")
-                    merged.extend(_terminated(chunk_a))
-                    merged.append(f"{MARKERS[3]} {labels[2]}\n")
-                else:
-                    merged.extend(chunk_b)
-            else:
-                merged.extend(both)
-        o, a, b = nxt, a2, b2
-    return merged, conflicts
-
-
-MARKERS = ("<<<<<<<", "|||||||", "=======", ">>>>>>>")
-
-
-def _terminated(lines: list[str]) -> list[str]:
-    return [line if line.endswith("\n") else line + "\n" for line in lines]
-
-
-def has_markers(text: str) -> bool:
-    return any(line.startswith(MARKERS) for line in text.splitlines())
-
-
-def _edits(base: list[str], other: list[str]) -> list[tuple[int, int, list[str]]]:
-    ops = difflib.SequenceMatcher(None, base, other, autojunk=False).get_opcodes()
-    return [(i1, i2, other[j1:j2]) for tag, i1, i2, j1, j2 in ops if tag != "equal"]
-
-
-def _merge_disjoint(base: list[str], ours: list[str], theirs: list[str]) -> list[str] | None:
-    """Both sides' edits of one region when they touch different lines of it, else None.
-
-    Upstream and the patch changing neighbouring lines (a line the patch edits next to lines
-    upstream inserted, or a decorator upstream removed above a line the patch edits) is common
-    across releases; edits of the same line, or insertions at the same place, stay conflicts.
-    """
-    mine = _edits(base, ours)
-    other = [edit for edit in _edits(base, theirs) if edit not in mine]  # the same edit on both sides
-    for x1, x2, _ in mine:
-        for y1, y2, _ in other:
-            if max(x1, y1) < min(x2, y2):  # both change a line
-                return None
-            if (x1 == x2 and y1 < x1 < y2) or (y1 == y2 and x1 < y1 < x2):  # insertion inside a change
-                return None
-            if x1 == x2 == y1 == y2:  # insertions at the same place: the order is a question
-                return None
-    # Apply from the bottom up; at one position an insertion goes before a change that starts there.
-    edits = sorted(mine + other, key=lambda e: (e[0], e[1] != e[0]), reverse=True)
-    result = list(base)
-    for i1, i2, lines in edits:
-        result[i1:i2] = lines
-    return result
+# Writing a file's section of a patch (git's format): refresh, rebase and diff write with it
 
 
 def _git_blob(text: str | None) -> str:
@@ -1365,457 +1091,6 @@ def _sections(text: str) -> list[str]:
     """The `diff --git` sections of a patch, verbatim, in order."""
     starts = [m.start() for m in re.finditer(r"^diff --git ", text, re.M)]
     return [text[s:e] for s, e in zip(starts, starts[1:] + [len(text)], strict=True)]
-
-
-def _hunks_over(fp: FilePatch, start: int, length: int) -> list[str]:
-    """The patch's hunks (numbered from 1) whose old range meets base lines [start, start+length)."""
-    names = []
-    for index, hunk in enumerate(fp.hunks, 1):
-        h_start = max(hunk.old_start - 1, 0)
-        h_end = h_start + len(hunk.old_lines)
-        if start < h_end and h_start < start + length or (length == 0 and h_start <= start <= h_end):
-            names.append(f"hunk {index} ({hunk.header})")
-    return names or ["(between hunks)"]
-
-
-@dataclasses.dataclass
-class Carried:
-    patch: Patch
-    text: str  # the rebased patch file
-    files: dict[str, str | None]  # the new release's files after this patch
-    how: dict[str, str]  # path -> "unchanged upstream" / "merged" / "new file"
-
-
-def rebase_series(
-    patches: list[Patch],
-    texts: dict[str, str],
-    base: Tree,
-    new: Tree,
-    old_release: str,
-    new_release: str,
-    log=print,
-    work: str | None = None,
-    drop_removed: bool = False,
-) -> tuple[list[Carried], list[MergeConflict], list[str]]:
-    """Carry `patches` (in series order, already checked to apply on `base`) onto `new`.
-
-    Per patch and file: base-before-patch (pristine base with the earlier patches applied),
-    base-after-patch, and the new release's file with the earlier rebased patches applied are
-    merged three ways. Returns (carried, conflicts, skipped): a patch that requires a conflicting
-    one, or edits a file an earlier patch left in conflict, is skipped (named in `skipped`).
-
-    With `work`, a file that needs a hand is resolved by WORK/<patch>/<path> when that file
-    exists without conflict markers; otherwise it is written there, merged, with diff3-style
-    markers around each conflict, for the user to edit.
-
-    With `drop_removed`, the sections of files the new release no longer has are dropped (each
-    named in the log). A file whose merge equals the new release's file gets no section (an
-    empty `diff --git` section is not a patch git accepts); a patch left with no section at all
-    is left out of the series, named in the log.
-    """
-    carried: list[Carried] = []
-    conflicts: list[MergeConflict] = []
-    skipped: list[str] = []
-    failed_patches: set[str] = set()
-    failed_files: set[str] = set()
-    emptied: set[str] = set()
-    base_stage: dict[str, str | None] = {}
-    new_stage: dict[str, str | None] = {}
-    for patch in patches:
-        blocked = [r for r in patch.requires if r in failed_patches]
-        touched = {fp.path for fp in patch.files}
-        if blocked or touched & failed_files:
-            why = f"requires {blocked[0]}" if blocked else f"edits {sorted(touched & failed_files)[0]}"
-            what = (
-                "was left out (nothing of it is left to carry)"
-                if blocked and blocked[0] in emptied
-                else ("needs a hand first")
-            )
-            skipped.append(f"{patch.name}: not tried, it {why}, which {what}")
-            failed_patches.add(patch.name)
-            continue
-        after = base.try_patch(patch, reverse=False, base=base_stage)
-        sections = _sections(texts[patch.name])
-        out_sections: list[str] = []
-        result: dict[str, str | None] = {}
-        how: dict[str, str] = {}
-        mine: list[MergeConflict] = []
-        for fp, section in zip(patch.files, sections, strict=True):
-            o = base_stage[fp.path] if fp.path in base_stage else base.read(fp.path)
-            t = after[fp.path]
-            b = new_stage[fp.path] if fp.path in new_stage else new.read(fp.path)
-            if fp.path in result:
-                raise ToolError(f"{patch.name}: {fp.path} appears twice; rebase does not support that")
-            if b == o:
-                how[fp.path] = "new file" if o is None else "unchanged upstream"
-                result[fp.path] = t
-                out_sections.append(section)
-                continue
-            inputs = _inputs_digest(o, b, t)
-            resolved, stale = _resolution(work, patch.name, fp.path, inputs)
-            if resolved is not None:
-                how[fp.path] = "resolved by hand"
-                result[fp.path] = resolved
-                if resolved != b:
-                    out_sections.append(file_diff(fp.path, b, resolved))
-                else:
-                    log(f"  {patch.name}: {fp.path} resolved to vLLM {new_release}'s file as it is: no section")
-                continue
-            if b is None and o is not None and drop_removed:
-                how[fp.path] = "dropped"
-                log(
-                    f"  {patch.name}: dropped the {len(fp.hunks)} hunk(s) of {fp.path}, which vLLM {new_release} "
-                    "does not have (--drop-removed)"
-                )
-                continue
-            before_conflicts = len(mine)
-            if o is None:  # the patch creates the file
-                mine.append(
-                    MergeConflict(
-                        patch.name,
-                        fp.path,
-                        ["(the whole new file)"],
-                        None,
-                        (1, split_lines(b)),
-                        (1, split_lines(t or "")),
-                        f"the patch creates {fp.path}, but vLLM {new_release} has one",
-                    )
-                )
-                continue
-            if b is None:  # upstream moved or removed it
-                for index, hunk in enumerate(fp.hunks, 1):
-                    mine.append(
-                        MergeConflict(
-                            patch.name,
-                            fp.path,
-                            [f"hunk {index} ({hunk.header})"],
-                            (hunk.old_start, hunk.old_lines),
-                            None,
-                            (hunk.old_start, hunk.new_lines),
-                            f"{fp.path} does not exist in vLLM {new_release} (moved or removed upstream); "
-                            "--drop-removed drops such a file's hunks",
-                        )
-                    )
-                continue
-            if t is None:  # the patch deletes a file upstream changed
-                mine.append(
-                    MergeConflict(
-                        patch.name,
-                        fp.path,
-                        ["(file deletion)"],
-                        (1, split_lines(o)),
-                        (1, split_lines(b)),
-                        None,
-                        f"the patch deletes {fp.path}, which vLLM {new_release} changed",
-                    )
-                )
-                continue
-            merged, found = merge3(split_lines(o), split_lines(b), split_lines(t))
-            for o_start, o_chunk, b_start, b_chunk, t_start, t_chunk in found:
-                mine.append(
-                    MergeConflict(
-                        patch.name,
-                        fp.path,
-                        _hunks_over(fp, o_start, len(o_chunk)),
-                        (o_start + 1, o_chunk),
-                        (b_start + 1, b_chunk),
-                        (t_start + 1, t_chunk),
-                        f"vLLM {new_release} changed the lines this hunk changes",
-                    )
-                )
-            if stale and not found:
-                mine.append(
-                    MergeConflict(
-                        patch.name,
-                        fp.path,
-                        ["(hand resolution)"],
-                        None,
-                        None,
-                        None,
-                        "the hand-resolved file was made for another version of the patch or of a release",
-                    )
-                )
-            if found or stale:
-                if work:
-                    labels = (f"vLLM {new_release}", f"vLLM {old_release}", f"{patch.name} (the patch)")
-                    marked, _ = merge3(split_lines(o), split_lines(b), split_lines(t), labels)
-                    _write_work(work, patch.name, fp.path, "".join(marked), mine[before_conflicts:], inputs)
-                continue
-            merged_text = "".join(merged)
-            how[fp.path] = "merged"
-            result[fp.path] = merged_text
-            if merged_text != b:
-                out_sections.append(file_diff(fp.path, b, merged_text))
-            else:
-                log(f"  {patch.name}: vLLM {new_release} already has this change to {fp.path}: no section")
-        if mine:
-            conflicts.extend(mine)
-            failed_patches.add(patch.name)
-            failed_files.update(c.path for c in mine)
-            log(f"  {patch.name}: {len(mine)} hunk(s) need a hand")
-            continue
-        if not out_sections:
-            log(f"  {patch.name}: nothing left to carry (vLLM {new_release} has it all, or it was dropped); left out")
-            emptied.add(patch.name)
-            failed_patches.add(patch.name)
-            base_stage.update(after)
-            new_stage.update(result)
-            continue
-        header = texts[patch.name][: texts[patch.name].find("diff --git ")]
-        header = _retarget_header(header, old_release, new_release)
-        carried.append(Carried(patch, header + "".join(out_sections), result, how))
-        base_stage.update(after)
-        new_stage.update(result)
-        counts = ", ".join(f"{sum(1 for v in how.values() if v == k)} {k}" for k in sorted(set(how.values())))
-        log(f"  {patch.name}: carried ({counts})")
-    return carried, conflicts, skipped
-
-
-def _work_path(work: str, patch_name: str, path: str) -> str:
-    return os.path.join(work, patch_name.removesuffix(".patch"), path)
-
-
-def _inputs_digest(*texts: str | None) -> str:
-    digest = hashlib.sha256()
-    for text in texts:
-        digest.update(b"-" if text is None else hashlib.sha256(text.encode("utf-8")).digest())
-    return digest.hexdigest()
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-
-
-def _resolution(work: str | None, patch_name: str, path: str, inputs: str) -> tuple[str | None, bool]:
-    """(text, stale) of the hand-resolved file WORK/<patch>/<path>.
-
-    text is None unless the file exists without conflict markers and was resolved for these
-    very three inputs (its `.merge-inputs` stamp, written with the merge, matches); stale is
-    True when it was resolved for other inputs (the patch or a release changed since).
-    """
-    if not work:
-        return None, False
-    target = _work_path(work, patch_name, path)
-    text = _read(target)
-    if text is None:
-        return None, False
-    stamp = _read(target + ".merge-inputs")
-    if stamp is not None and stamp.strip() != inputs:
-        return None, True
-    return (None if has_markers(text) else text), False
-
-
-def _write_work(work: str, patch_name: str, path: str, text: str, conflicts: list[MergeConflict], inputs: str) -> None:
-    """Write the merge with markers for hand resolution, stamped with its inputs' digest. A file
-    being edited for the same inputs is left alone; one made for other inputs is kept as .old."""
-    target = _work_path(work, patch_name, path)
-    stamp_file = target + ".merge-inputs"
-    existing, stamp = _read(target), _read(stamp_file)
-    note = f"; resolve it in {target}"
-    if existing is not None and stamp is not None and stamp.strip() == inputs:
-        pass
-    else:
-        if existing is not None:
-            os.replace(target, target + ".old")
-            note = f"; {target} was resolved for other inputs (kept as {target}.old): resolve the fresh merge there"
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        with open(stamp_file, "w", encoding="utf-8") as f:
-            f.write(inputs + "\n")
-    for conflict in conflicts:
-        conflict.reason += note
-
-
-def _retarget_header(header: str, old_release: str, new_release: str, today: str | None = None) -> str:
-    """`Target: vllm <new>`, a `Rebased-From:` line naming the release it was carried from, and
-    `Last-Update:` set to today (UTC): the rebased patch is a new version of the patch."""
-    utc = datetime.timezone.utc  # noqa: UP017 (datetime.UTC is Python 3.11; the tool runs on 3.10)
-    today = today or datetime.datetime.now(utc).date().isoformat()
-    lines = [line for line in header.splitlines(keepends=True) if not line.startswith("Rebased-From:")]
-    out = []
-    for line in lines:
-        if line.startswith("Target:"):
-            out.append(f"Target: vllm {new_release}\n")
-            out.append(f"Rebased-From: vllm {old_release} (magpie/patches.py rebase)\n")
-        elif line.startswith("Last-Update:"):
-            out.append(f"Last-Update: {today}\n")
-        else:
-            out.append(line)
-    if not any(line.startswith("Target:") for line in lines):
-        raise ToolError("a patch header has no `Target:` line")
-    return "".join(out)
-
-
-def _show(side: tuple[int, list[str]] | None, label: str, max_lines: int) -> list[str]:
-    if side is None:
-        return [f"    {label}: (no such file)"]
-    start, lines = side
-    span = f"line {start}" if len(lines) <= 1 else f"lines {start}-{start + len(lines) - 1}"
-    out = [f"    {label} ({span}{', empty' if not lines else ''}):"]
-    shown = lines if max_lines <= 0 else lines[:max_lines]
-    out += ["      | " + line.rstrip("\n") for line in shown]
-    if len(shown) < len(lines):
-        out.append(f"      | ... {len(lines) - len(shown)} more line(s) (--max-lines 0 shows all)")
-    return out
-
-
-def report_conflicts(conflicts: list[MergeConflict], old_release: str, new_release: str, max_lines: int) -> str:
-    out = []
-    for number, c in enumerate(conflicts, 1):
-        out.append(f"conflict {number}: {c.patch}: {c.path} {', '.join(c.hunks)}")
-        out.append(f"    {c.reason}")
-        out += _show(c.base, f"vLLM {old_release} had", max_lines)
-        out += _show(c.ours, f"vLLM {new_release} has", max_lines)
-        out += _show(c.theirs, "the patch makes it", max_lines)
-    return "\n".join(out)
-
-
-def _series_text(folder: str, carried: list[str], old_release: str, new_release: str) -> str:
-    """The old series file with only the carried entries, its comments naming the new release."""
-    out = []
-    with open(os.path.join(folder, "series"), encoding="utf-8") as f:
-        for raw in f:
-            entry = raw.split("#", 1)[0].strip()
-            if entry and entry not in carried:
-                continue
-            out.append(raw.replace(f"vLLM {old_release}", f"vLLM {new_release}"))
-    return "".join(out)
-
-
-def write_series(output: str, files: dict[str, str], force: bool) -> None:
-    """Write `files` (relative path -> text) as a fresh folder `output`, all at once."""
-    if os.path.exists(output) and not force:
-        raise Refusal(f"{output} exists; pass --force to replace it, or --output another folder")
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix=".rebase-")
-    try:
-        for rel, text in files.items():
-            path = os.path.join(staging, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8", newline="") as f:
-                f.write(text)
-        os.chmod(staging, 0o755)
-        old = None
-        if os.path.exists(output):
-            old = tempfile.mkdtemp(dir=parent, prefix=".rebase-old-")
-            os.rmdir(old)
-            os.rename(output, old)
-        os.rename(staging, output)
-        if old:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def command_rebase(args) -> int:
-    if not args.base:
-        raise ToolError("rebase needs --base DIR: a pristine tree of the release the series was written for")
-    new_target = find_target(args.target, args.python)
-    base_target = find_target(args.base, None)
-    new_release = release_of(new_target.version)
-    try:
-        folder = series_dir(args.patches_dir, base_target.version, args.series)
-    except NoSeries as e:
-        raise ToolError(
-            f"--base {args.base} is vLLM {base_target.version}, which has no series; series exist for vLLM "
-            f"{', '.join(e.found)}: give a pristine tree of one of those releases (--series picks which)"
-        ) from e
-    if os.path.isfile(os.path.join(args.patches_dir, "series")):
-        old_release = release_of(base_target.version)
-        if not args.output:
-            raise ToolError("--patches-dir is a single series folder: give --output DIR for the rebased series")
-    else:
-        old_release = os.path.basename(os.path.normpath(folder)).removeprefix(SERIES_PREFIX)
-    if release_of(base_target.version) != old_release:
-        raise ToolError(
-            f"--base {args.base} is vLLM {base_target.version}, but the series {folder} was written for "
-            f"{old_release}: give a pristine {old_release} tree"
-        )
-    if new_release == old_release:
-        raise ToolError(f"the target is vLLM {new_target.version}, the release the series was written for")
-    output = args.output or os.path.join(args.patches_dir, SERIES_PREFIX + new_release)
-    if os.path.exists(output) and not args.force:
-        raise Refusal(f"{output} exists; pass --force to replace it, or --output another folder")
-
-    patches = load_series(folder)
-    chosen = select(patches, args.names)
-    by_name = {p.name: p for p in patches}
-    wanted = {p.name for p in chosen}
-    for patch in reversed(patches):
-        if patch.name in wanted:
-            wanted.update(patch.requires)
-    extra = [n for n in wanted if n not in {p.name for p in chosen}]
-    chosen = [p for p in patches if p.name in wanted]
-    texts = {}
-    for patch in chosen:
-        with open(os.path.join(folder, patch.name), encoding="utf-8") as f:
-            texts[patch.name] = f.read()
-
-    base = Tree(base_target.root)
-    states = compute_states(base, chosen)
-    dirty = [f"{n} is {s}{': ' + d if d else ''}" for n, (s, d) in states.items() if s != NOT_APPLIED]
-    if dirty:
-        raise ToolError(f"--base {base_target.root} is not a pristine vLLM {old_release}: " + "; ".join(dirty))
-    run_plan(base, chosen, reverse=False)  # every patch applies on the base, in order
-    base = Tree(base_target.root)
-    new = Tree(new_target.root)
-    applied_there = [n for n, (s, _) in compute_states(new, chosen).items() if s == APPLIED]
-    if applied_there:
-        raise ToolError(
-            f"{new_target.root} already has {', '.join(applied_there)} applied: rebase onto a pristine tree"
-        )
-
-    print(
-        f"rebasing series {os.path.join(folder, 'series')} (vLLM {old_release}) onto vLLM {new_target.version} "
-        f"({new_target.kind}) at {new_target.root}"
-    )
-    if extra:
-        print(
-            f"  also carrying {', '.join(sorted(extra, key=list(by_name).index))} (required by the patches asked for)"
-        )
-    carried, conflicts, skipped = rebase_series(
-        chosen, texts, base, new, old_release, new_release, work=args.work, drop_removed=args.drop_removed
-    )
-    if conflicts or skipped:
-        print(report_conflicts(conflicts, old_release, new_release, args.max_lines), file=sys.stderr)
-        for line in skipped:
-            print(f"  {line}", file=sys.stderr)
-        if args.work:
-            hint = (
-                f"edit the files named above under {args.work} (remove every conflict marker), "
-                "then run the same command again"
-            )
-        else:
-            hint = (
-                "carry the others alone (`rebase NAME ...`), or add --work DIR to get each file merged with "
-                "conflict markers to resolve by hand, then run the same command again"
-            )
-        print(f"error: {len(conflicts)} hunk(s) need a hand; no series was written. Next: {hint}", file=sys.stderr)
-        return 1
-
-    # Self-check: the written patches must apply on the new tree, in order, to exactly the merge.
-    check = Tree(new_target.root)
-    for item in carried:
-        reparsed = parse_patch(item.patch.name, item.text)
-        staged = check.try_patch(reparsed, reverse=False, base=check.current)
-        # A file the patch has no section for (its merge is upstream's file) must be as it is.
-        if any((staged[path] if path in staged else check.read(path)) != text for path, text in item.files.items()):
-            raise ToolError(f"internal error: the rebased {item.patch.name} does not reproduce the merge")
-        check.current.update(staged)
-    files = {item.patch.name: item.text for item in carried}
-    files["series"] = _series_text(folder, list(files), old_release, new_release)
-    write_series(output, files, args.force)
-    print(f"wrote {len(carried)} patch(es) and a series file to {output}")
-    print(f"next: magpie/patches.py status --patches-dir {output} --target {new_target.root}")
-    print("      then test it as patches/README.md says (apply, revert byte for byte, the suite)")
-    return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -1951,6 +1226,18 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    common = _common_options()
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_target_commands(sub, common)
+    sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
+    _add_part(sub, common, _sources, ("extract", "refresh", "check-sources"))
+    _add_part(sub, common, _rebase, ("rebase",))
+    _add_part(sub, common, _diff, ("diff",))
+    return parser
+
+
+def _common_options() -> argparse.ArgumentParser:
+    """The options every subcommand takes: the target, the series, the lock's wait."""
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_argument_group("target (one of)")
     where.add_argument("--python", metavar="PY", help="interpreter whose installed vllm package is the target")
@@ -1972,7 +1259,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RELEASE",
         help="use this release's series (e.g. 0.33.0) instead of the one matching the target's vLLM version",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    return common
+
+
+def _add_target_commands(sub, common: argparse.ArgumentParser) -> None:
+    """status, check, apply and revert: the subcommands that work on a target tree."""
     p_status = sub.add_parser("status", parents=[common], help="report each patch: applied, not applied, conflicting")
     p_status.add_argument("names", nargs="*", metavar="NAME", help="patches to report (default: all)")
     p_status.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -1996,66 +1287,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--with-dependents", action="store_true", help="also revert applied patches that require them (default: refuse)"
     )
     p_revert.add_argument("--dry-run", action="store_true", help="check and report, change nothing")
-    sub.add_parser("list", parents=[common], help="list the series with each patch's header fields")
-    p_extract = sub.add_parser(
-        "extract",
-        parents=[common],
-        help="write the files the series create, as each patch leaves them, to lint them as Python",
-        description="Write every file the series create (default: every series under --patches-dir; "
-        "--series or a target picks one) to OUTPUT/vllm-<release>/<patch>/<path>, as each patch that "
-        "touches it leaves it. No vLLM tree is needed: the patches' hunks build the files.",
-    )
-    p_extract.add_argument("--output", metavar="DIR", required=True, help="folder to write (must be new or empty)")
-    for name, help_text in (
-        ("refresh", "rewrite the new-file hunks of the series from their sources (magpie/vllm_modules/)"),
-        ("check-sources", "exit 1 when a new-file hunk differs from what its source generates"),
-    ):
-        p_sources = sub.add_parser(
-            name,
-            parents=[common],
-            help=help_text,
-            description=f"{help_text[0].upper()}{help_text[1:]}. Every Python file a patch creates is kept once, "
-            "in --modules-dir (same file name); what differs between releases sits in its `# [release X.Y.Z]` "
-            "... `# [release end]` section, and each series ships the lines of its own release. Default: every "
-            "series under --patches-dir. Needs the checkout (the sources are not installed).",
-        )
-        p_sources.add_argument(
-            "--modules-dir",
-            default=MODULES_DIR,
-            help="the folder holding one source per shipped module (default: %(default)s)",
-        )
-    p_rebase = sub.add_parser(
-        "rebase",
-        parents=[common],
-        help="carry a series onto another vLLM release by a three-way merge",
-        description=REBASE_HELP.split("\n\n")[0],
-        epilog=REBASE_HELP.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p_rebase.add_argument("names", nargs="*", metavar="NAME", help="patches to carry (default: the whole series)")
-    p_rebase.add_argument(
-        "--base", metavar="DIR", help="pristine vLLM tree of the release the series was written for (required)"
-    )
-    p_rebase.add_argument(
-        "--output", metavar="DIR", help="folder for the rebased series (default: PATCHES_DIR/vllm-<target release>)"
-    )
-    p_rebase.add_argument("--force", action="store_true", help="replace the output folder if it exists")
-    p_rebase.add_argument(
-        "--drop-removed",
-        action="store_true",
-        help="drop the hunks of files the new release no longer has (each named), instead of reporting them "
-        "as needing a hand",
-    )
-    p_rebase.add_argument(
-        "--work",
-        metavar="DIR",
-        help="resolve conflicts by hand: files that need a hand are written to DIR/<patch>/<path> with "
-        "conflict markers; once edited (markers gone), the next run takes them as the merge",
-    )
-    p_rebase.add_argument(
-        "--max-lines", type=int, default=40, metavar="N", help="lines shown per side of a conflict (0: all; default 40)"
-    )
-    return parser
+
+
+def _add_part(sub, common: argparse.ArgumentParser, part, names: tuple[str, ...]) -> None:
+    """The subcommands `names` of a part kept in its own file (its add_parsers); a copy of this file
+    on its own lists them, and running one says what it needs."""
+    try:
+        module = part()
+    except ToolError:
+        for name in names:
+            # Every argument taken as it comes (no option parsed), so that running it gives the reason.
+            stub = sub.add_parser(
+                name, help="(not in a copy of patches.py on its own)", add_help=False, prefix_chars="\0"
+            )
+            stub.add_argument("rest", nargs="*")
+        return
+    module.add_parsers(sub, common)
 
 
 def _listed_folders(args) -> list[str]:
@@ -2084,38 +1331,38 @@ def command_list(args) -> int:
     return 0
 
 
-def command_extract(args) -> int:
-    for path in extract_created(_listed_folders(args), args.output):
-        print(path)
-    return 0
+def _part(module: str, commands: str):
+    """magpie.<module>, a part of the patch tool kept in its own file (rebase, the module sources'
+    commands), imported from the package this file belongs to (a checkout or the installed
+    package); run as a script, this module stands for magpie.patches (so that the part's errors
+    are the ones main() catches). A copy of this file on its own has no parts: ToolError."""
+    path = os.path.join(_HERE, *module.split(".")) + ".py"
+    if __name__ != "magpie.patches":
+        if not os.path.isfile(path):
+            raise ToolError(
+                f"{path} not found: {commands} the magpie checkout or installed package this file "
+                "came from (a copy of patches.py on its own has status, check, apply, revert and list)"
+            )
+        parent = os.path.dirname(_HERE)
+        if parent not in sys.path:
+            sys.path.insert(0, parent)
+        sys.modules.setdefault("magpie.patches", sys.modules[__name__])
+    return importlib.import_module(f"magpie.{module}")
 
 
-def _first_difference(a: str, b: str) -> str:
-    for lineno, (x, y) in enumerate(zip(a.splitlines() + [""], b.splitlines() + [""], strict=False), 1):
-        if x != y:
-            return f"line {lineno}: the patch has {x!r}, the source gives {y!r}"
-    return "the same lines, a different ending"
+def _sources():
+    """magpie/vllm_modules/sources.py: extract, refresh and check-sources, beside the sources."""
+    return _part("vllm_modules.sources", "extract, refresh and check-sources need")
 
 
-def command_check_sources(args) -> int:
-    stale = refresh_series(_listed_folders(args), args.modules_dir, write=False)
-    for m in stale:
-        print(
-            f"{os.path.relpath(m.patch_file)}: {m.path} is not what {os.path.relpath(m.source)} generates for "
-            f"vLLM {m.release} ({_first_difference(m.shipped, m.generated)}); run `magpie/patches.py refresh`",
-            file=sys.stderr,
-        )
-    if stale:
-        return 1
-    print("every module the series create is what its source generates")
-    return 0
+def _rebase():
+    """magpie/patch_rebase.py: rebase."""
+    return _part("patch_rebase", "rebase needs")
 
 
-def command_refresh(args) -> int:
-    for m in refresh_series(_listed_folders(args), args.modules_dir):
-        print(f"refreshed {os.path.relpath(m.patch_file)}: {m.path} from {os.path.relpath(m.source)}")
-    print("every module the series create is what its source generates")
-    return 0
+def _diff():
+    """magpie/patch_diff.py: diff (a patch written again from an edited tree)."""
+    return _part("patch_diff", "diff needs")
 
 
 def command_status(args, target: Target) -> int:
@@ -2203,10 +1450,11 @@ def command_revert(args, target: Target) -> int:
 # a target (found before they run, so that a refusal can name it).
 COMMANDS = {
     "list": command_list,
-    "extract": command_extract,
-    "refresh": command_refresh,
-    "check-sources": command_check_sources,
-    "rebase": command_rebase,
+    "extract": lambda args: _sources().COMMANDS["extract"](args),
+    "refresh": lambda args: _sources().COMMANDS["refresh"](args),
+    "check-sources": lambda args: _sources().COMMANDS["check-sources"](args),
+    "rebase": lambda args: _rebase().command_rebase(args),
+    "diff": lambda args: _diff().command_diff(args),
 }
 TARGET_COMMANDS = {"status": command_status, "check": command_apply, "apply": command_apply, "revert": command_revert}
 
@@ -2234,6 +1482,7 @@ def main(argv: list[str] | None = None) -> int:
             previous[getattr(signal, name)] = signal.signal(getattr(signal, name), _raise_interrupted)
     try:
         status = _main(args)
+        sys.stdout.flush()
         if HELD_SIGNALS:
             name = signal.Signals(HELD_SIGNALS[0]).name
             print(
@@ -2247,6 +1496,11 @@ def main(argv: list[str] | None = None) -> int:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"error: interrupted by {signal.Signals(signum).name}; nothing was changed", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:
+        # The reader of stdout stopped early (`| head`): 141, as for a process killed by SIGPIPE.
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
@@ -2279,18 +1533,5 @@ def _main(args) -> int:
         return 1
 
 
-def run_piped(entry) -> int:
-    """entry()'s status; a reader that closed our stdout (`| head`) ends it quietly with 141, the
-    status of a process killed by SIGPIPE, as a C tool would, not with a traceback."""
-    try:
-        status = entry()
-        sys.stdout.flush()
-        return status
-    except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-
-
 if __name__ == "__main__":
-    sys.exit(run_piped(main))
+    sys.exit(main())

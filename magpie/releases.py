@@ -9,6 +9,14 @@ Adding a release is the rebased series plus one row (docs/vllm-releases.md, "Add
 Standard library only; `MAGPIE_RELEASES` may name another table for the Python readers (the
 tests use a copy with a fake release to see every consumer pick it up). nix/lib.nix reads the
 magpie/releases.json of the checkout it is evaluated in.
+
+Each fact has one definition. `release_of` (a version's MAJOR.MINOR.PATCH) and `key` (a release
+as a sortable tuple) are magpie/patches.py's, imported here: the patch tool must run copied on
+its own, so it cannot import this module, and this module can import it. Which releases have a
+series is the table's `series: true`; the patch tool, which has no table when copied on its own,
+finds the `vllm-<release>/series` folders instead, so loading the table checks that the two
+agree (the folders beside the table: patches/ in a checkout, magpie/patch_series/ installed) and
+names the row or the folder to fix when they do not.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import re
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from magpie.patches import SERIES_PREFIX, available_series, release_key, release_of
 
 __all__ = [
     "PLE_SWITCHES",
@@ -39,6 +49,7 @@ __all__ = [
     "sdist",
     "series_releases",
     "sdists_for_tests",
+    "series_root",
     "table_path",
 ]
 
@@ -105,12 +116,42 @@ def _load(path: str) -> dict[str, Any]:
             raise ReleaseError(f"{where}: a release without a series says why it is pinned (`role`)")
     if releases.get(data.get("default"), {}).get("series") is not True:
         raise ReleaseError(f"{path}: `default` must name a release with a series")
+    _check_series_folders(Path(path), releases)
     harness = [r for r, e in releases.items() if e.get("gpu_harness")]
     if len(harness) != 1:
         raise ReleaseError(
             f"{path}: exactly one release has `gpu_harness: true` (the GPU harness's default), not {len(harness)}"
         )
     return data
+
+
+def series_root(table: Path) -> Path | None:
+    """The folder of the series folders beside a table: magpie/patch_series/ in the installed
+    package, patches/ in a checkout (the table at magpie/releases.json); None when there is none."""
+    for root in (table.parent / "patch_series", table.parent.parent / "patches"):
+        if table.parent.name == "magpie" and root.is_dir():
+            return root
+    return None
+
+
+def _check_series_folders(table: Path, releases: dict[str, Any]) -> None:
+    """The rows with `series: true` are the series folders beside the table (if there are any)."""
+    root = series_root(table)
+    if root is None:
+        return
+    folders = available_series(str(root))
+    for release, entry in releases.items():
+        if entry.get("series") and release not in folders:
+            raise ReleaseError(
+                f"{table}: releases.{release} has `series: true` but {root}/{SERIES_PREFIX}{release}/series "
+                "does not exist; add the series (patches/README.md, rebase) or drop `series`"
+            )
+    for release, folder in folders.items():
+        if not releases.get(release, {}).get("series"):
+            raise ReleaseError(
+                f"{folder}: a series folder without a `series: true` row in {table}; add the row "
+                "(docs/vllm-releases.md, Adding a release) or remove the folder"
+            )
 
 
 def load() -> dict[str, Any]:
@@ -123,13 +164,8 @@ def default() -> str:
     return load()["default"]
 
 
-def _key(release: str) -> tuple[int, ...]:
-    return tuple(int(n) for n in release.split("."))
-
-
-def key(release: str) -> tuple[int, ...]:
-    """A MAJOR.MINOR.PATCH release as a tuple that sorts as the releases do."""
-    return _key(release)
+key = release_key  # a MAJOR.MINOR.PATCH release as a tuple that sorts as the releases do
+_key = release_key
 
 
 def series_releases() -> list[str]:
@@ -163,13 +199,6 @@ def row(release: str) -> dict[str, Any]:
 
 def sdist(release: str) -> dict[str, str]:
     return row(release)["sdist"]
-
-
-def release_of(version: str | None) -> str | None:
-    """The release a version string belongs to: "0.29.0+cpu" -> "0.29.0", "0.33.0rc1" -> "0.33.0",
-    "0.33.1.dev3" -> "0.33.1"; None when it is not MAJOR.MINOR.PATCH at all."""
-    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", (version or "").strip())
-    return ".".join(m.groups()) if m else None
 
 
 def ple_switch(version: str | None) -> str:

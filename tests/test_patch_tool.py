@@ -335,6 +335,13 @@ def load_tool():
     return patches
 
 
+def load_sources():
+    sys.path.insert(0, str(REPO))
+    from magpie.vllm_modules import sources
+
+    return sources
+
+
 def test_each_module_the_series_create_is_what_its_one_source_generates():
     proc = subprocess.run([sys.executable, str(TOOL), "check-sources"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -342,7 +349,7 @@ def test_each_module_the_series_create_is_what_its_one_source_generates():
     found = {
         (m.release, m.path): Path(m.source).name
         for folder in patches.available_series(str(REPO / "patches")).values()
-        for m in patches.shipped_modules(folder)
+        for m in load_sources().shipped_modules(folder)
     }
     assert found == {
         ("0.29.0", "vllm/models/qwen4_exp/ple_mmap.py"): "ple_mmap.py",
@@ -357,9 +364,9 @@ def test_each_module_the_series_create_is_what_its_one_source_generates():
 def test_the_releases_differ_only_in_the_module_s_release_section():
     """The 0.29.0 and 0.33.0 ple_mmap.py differ in the lines of their `# [release ...]` blocks and
     nowhere else; draft_vocab.py has no such section and ships the same in both."""
-    patches = load_tool()
+    sources = load_sources()
     text = (SOURCES / "ple_mmap.py").read_text()
-    old, new = (patches.render_module(text, release).splitlines() for release in ("0.29.0", "0.33.0"))
+    old, new = (sources.render_module(text, release).splitlines() for release in ("0.29.0", "0.33.0"))
     differing = [line for line in difflib.ndiff(old, new) if line[:1] in "+-"]
     assert sorted(differing) == sorted(
         [
@@ -375,26 +382,26 @@ def test_the_releases_differ_only_in_the_module_s_release_section():
     )
     assert "# [release" not in "\n".join(old + new)
     vocab = (SOURCES / "draft_vocab.py").read_text()
-    assert patches.render_module(vocab, "0.29.0") == patches.render_module(vocab, "0.33.0") == vocab
+    assert sources.render_module(vocab, "0.29.0") == sources.render_module(vocab, "0.33.0") == vocab
 
 
 def test_a_release_section_is_checked_when_a_module_is_generated():
-    patches = load_tool()
+    patches, sources = load_tool(), load_sources()
     text = "a = 1\n# [release 0.29.0]\nb = 2\n# [release 0.33.0]\nb = 3\n# [release end]\nc = 4\n"
-    assert patches.render_module(text, "0.29.0") == "a = 1\nb = 2\nc = 4\n"
-    assert patches.render_module(text, "0.33.0") == "a = 1\nb = 3\nc = 4\n"
+    assert sources.render_module(text, "0.29.0") == "a = 1\nb = 2\nc = 4\n"
+    assert sources.render_module(text, "0.33.0") == "a = 1\nb = 3\nc = 4\n"
     # A release without a block of its own takes the nearest older release's; none older: refused.
-    assert patches.render_module(text, "0.31.0") == patches.render_module(text, "0.29.0")
-    assert patches.render_module(text, "0.34.0") == patches.render_module(text, "0.33.0")
-    assert patches.render_module(text, "0.33.1") == patches.render_module(text, "0.33.0")
+    assert sources.render_module(text, "0.31.0") == sources.render_module(text, "0.29.0")
+    assert sources.render_module(text, "0.34.0") == sources.render_module(text, "0.33.0")
+    assert sources.render_module(text, "0.33.1") == sources.render_module(text, "0.33.0")
     with pytest.raises(
         patches.ToolError, match=r"m.py: no `# \[release 0.28.0\]` block and none for an older release \(it has"
     ):
-        patches.render_module(text, "0.28.0", "m.py")
+        sources.render_module(text, "0.28.0", "m.py")
     with pytest.raises(patches.ToolError, match="has no `# \\[release end\\]`"):
-        patches.render_module("# [release 0.29.0]\nb = 2\n", "0.29.0", "m.py")
+        sources.render_module("# [release 0.29.0]\nb = 2\n", "0.29.0", "m.py")
     with pytest.raises(patches.ToolError, match="m.py:1: `# \\[release end\\]` without"):
-        patches.render_module("# [release end]\n", "0.29.0", "m.py")
+        sources.render_module("# [release end]\n", "0.29.0", "m.py")
 
 
 def test_refresh_writes_a_changed_source_into_the_patches_and_the_series_still_applies(tmp_path, sdist_copy):

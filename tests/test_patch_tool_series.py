@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from magpie import patch_rebase
 from magpie import patches as tool
+from magpie.vllm_modules import sources
 from tests.releases import each_series, sdist_tree, series_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,7 +133,9 @@ def test_a_hand_resolution_equal_to_upstream_gets_no_section_and_git_applies_the
     resolved = work / "mtp_pruning" / "0001-draft-vocab-pruning"
     utils = "vllm/v1/worker/gpu/spec_decode/eagle/utils.py"
     mtp = "vllm/model_executor/models/qwen3_5_mtp.py"
-    assert tool.has_markers((resolved / utils).read_text()) and tool.has_markers((resolved / mtp).read_text())
+    assert patch_rebase.has_markers((resolved / utils).read_text()) and patch_rebase.has_markers(
+        (resolved / mtp).read_text()
+    )
     (resolved / utils).write_text((new / utils).read_text())
     upstream_side = re.compile(r"^<<<<<<< .*?\n(.*?)^\|\|\|\|\|\|\| .*?^>>>>>>> .*?\n", re.M | re.S)
     (resolved / mtp).write_text(upstream_side.sub(r"\1", (resolved / mtp).read_text()))
@@ -157,7 +161,7 @@ def test_check_sources_passes_for_0_34_0_and_a_release_without_blocks_takes_the_
     shutil.copytree(PATCHES / "vllm-0.33.0", root / "vllm-0.35.0")
     for patch in (root / "vllm-0.35.0").rglob("*.patch"):
         patch.write_text(re.sub(r"^Target: vllm 0\.33\.0$", "Target: vllm 0.35.0", patch.read_text(), flags=re.M))
-    assert any("ple_mmap.py" in m.path for m in tool.shipped_modules(str(root / "vllm-0.35.0")))
+    assert any("ple_mmap.py" in m.path for m in sources.shipped_modules(str(root / "vllm-0.35.0")))
     proc = run_tool("check-sources", "--patches-dir", str(root))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every module the series create is what its source generates" in proc.stdout

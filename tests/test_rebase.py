@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from magpie import patches, releases
+from magpie import patch_rebase, patches, releases
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "magpie" / "patches.py"
@@ -303,21 +303,21 @@ def test_merge3_takes_each_side_and_neighbouring_edits():
     base = lines("a\nb\nc\nd\ne\n")
     ours = lines("a\nb\nc\nX\nd\ne\n")  # upstream inserts after c
     theirs = lines("a\nB\nc\nd\ne\n")  # the patch edits b
-    assert tool.merge3(base, ours, theirs) == (lines("a\nB\nc\nX\nd\ne\n"), [])
+    assert patch_rebase.merge3(base, ours, theirs) == (lines("a\nB\nc\nX\nd\ne\n"), [])
     # Adjacent: upstream drops a decorator right above the line the patch edits.
     base = lines("@dec\nclass A(B):\n    x = 1\n")
     ours = lines("class A(B):\n    x = 1\n")
     theirs = lines("@dec\nclass A(M, B):\n    x = 1\n")
-    assert tool.merge3(base, ours, theirs) == (lines("class A(M, B):\n    x = 1\n"), [])
+    assert patch_rebase.merge3(base, ours, theirs) == (lines("class A(M, B):\n    x = 1\n"), [])
     # The same edit on both sides is no conflict.
-    assert tool.merge3(lines("a\nb\n"), lines("a\nB\n"), lines("a\nB\n")) == (lines("a\nB\n"), [])
+    assert patch_rebase.merge3(lines("a\nb\n"), lines("a\nB\n"), lines("a\nB\n")) == (lines("a\nB\n"), [])
 
 
 def test_merge3_reports_edits_of_the_same_line_and_insertions_at_one_place():
-    merged, conflicts = tool.merge3(lines("a\nb\nc\n"), lines("a\nB1\nc\n"), lines("a\nB2\nc\n"))
+    merged, conflicts = patch_rebase.merge3(lines("a\nb\nc\n"), lines("a\nB1\nc\n"), lines("a\nB2\nc\n"))
     assert merged == lines("a\nB1\nc\n")  # ours kept where it conflicts
     assert conflicts == [(1, ["b\n"], 1, ["B1\n"], 1, ["B2\n"])]
-    _, conflicts = tool.merge3(lines("a\nc\n"), lines("a\nX\nc\n"), lines("a\nY\nc\n"))
+    _, conflicts = patch_rebase.merge3(lines("a\nc\n"), lines("a\nX\nc\n"), lines("a\nY\nc\n"))
     assert len(conflicts) == 1
 
 
@@ -387,7 +387,7 @@ def test_rebase_work_dir_hand_resolution_then_carry_and_stale_resolutions_are_ca
         count=1,
         flags=re.M | re.S,
     )
-    assert not tool.has_markers(text)
+    assert not patch_rebase.has_markers(text)
     merged.write_text(text)
     proc = run_tool(*args)
     assert proc.returncode == 0, proc.stderr
@@ -406,5 +406,5 @@ def test_rebase_work_dir_hand_resolution_then_carry_and_stale_resolutions_are_ca
     assert proc.returncode == 1
     assert "was resolved for other inputs" in proc.stderr
     assert Path(str(merged) + ".old").read_text() == text
-    assert tool.has_markers(merged.read_text())
+    assert patch_rebase.has_markers(merged.read_text())
     assert (out / "series").exists()  # the earlier output is left as it was

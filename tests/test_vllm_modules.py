@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from magpie import patches, releases
-from magpie.vllm_modules import draft_vocab, ple_mmap
+from magpie import releases
+from magpie.vllm_modules import draft_vocab, ple_mmap, sources
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_each_shipped_module_imports_only_torch_numpy_and_the_standard_library(n
     listed = [ln.strip() for ln in (series / "series").read_text().splitlines() if ln.strip() and ln[0] != "#"]
     if not any(f"/{name}\n" in (series / entry).read_text() for entry in listed):
         pytest.skip(f"the {release} series does not ship {name}")
-    text = patches.render_module((REPO / "magpie" / "vllm_modules" / name).read_text(), release)
+    text = sources.render_module((REPO / "magpie" / "vllm_modules" / name).read_text(), release)
     roots = set()
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Import):

@@ -7,8 +7,10 @@ mtp_pruning 0001 of both). What differs between vLLM releases sits in the module
 its own release, or, for a release with no block of its own, the nearest older release's (so a
 new release whose modules need nothing new is added without an edit here: 0.34.0 takes 0.33.0's).
 `magpie/patches.py refresh` rewrites the hunks from these files,
-`magpie/patches.py check-sources` fails when a hunk and its source disagree (tests run it).
-The files follow vLLM's style, not this project's: `tests/lint.sh patches` lints them with
-each release's ruff settings (the project's ruff skips this folder). Imported as they are,
+`magpie/patches.py check-sources` fails when a hunk and its source disagree (tests run it);
+both, and `extract`, are in `sources.py` here, which is not a module source but the project's
+code that renders them. The sources follow vLLM's style, not this project's: `tests/lint.sh
+patches` lints them with each release's ruff settings (the project's ruff skips each source by
+name in pyproject.toml; a new source is added there). Imported as they are,
 each file is the newest release's module (its last `# [release ...]` block wins).
 """
