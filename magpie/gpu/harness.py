@@ -2,6 +2,9 @@
 """Run the real vLLM, with this repo's patch series applied, on a GPU machine that has torch but
 no package registry, and takes a bounded amount of data per call.
 
+(Over 800 lines, one file: on the GPU machine it runs from the checkout under the machine's own
+python3 with nothing installed, and prepare, stage and run share one manifest format.)
+
 The release is the table's `gpu_harness` row (magpie/releases.json; `prepare --release` picks
 another release with a series). vLLM's CUDA kernels (`_C_stable_libtorch.abi3.so`,
 `_moe_C_stable_libtorch.abi3.so`) are built against libtorch's stable ABI, so they run on the

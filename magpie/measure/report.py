@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Render the Flash-Next report (one self-contained HTML page) from result folders.
 
+(Over 800 lines, one file: the page's sections share one reading of the result folders and the
+inline-SVG chart helpers; those helpers are the part to move out if it grows.)
+
 A result folder is what run_suite.sh writes (suite.json, bench-c1.json, bench-c4.json,
 gsm8k.json, log_check.json; optionally profile/<window>/split.json from profile_capture.py).
 The page shows the seed GB10 figures (docs/data/flash-next-seed-gb10.json, attributed there)

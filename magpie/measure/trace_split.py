@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Where an engine step's time goes, from vLLM's torch-profiler traces.
 
+(Over 800 lines, one file: the per-step split and the kernel-family rules walk the same parsed
+trace and its launch links; the family rules are the part to move out if they grow.)
+
 For every engine step in a trace: the wall time split into worker / scheduler / engine I/O /
 other, the GPU busy time (the *union* of kernel intervals inside the step, so overlapping kernels
 on several streams are not counted twice), the kernel launches and CUDA-graph launches the host
