@@ -11,7 +11,10 @@ When the pages of the step's rows are not resident (a `mincore` sample
 decides), every read the step needs is queued before the gather (per page
 run: `posix_fadvise(WILLNEED)`, or `MADV_POPULATE_READ` spread over threads),
 so the gather's page faults wait on reads already in flight instead of
-issuing them one at a time. Standalone: no vLLM import.
+issuing them one at a time. A small step (up to 64 rows: a decode step) is
+checked and sampled on Python ints (4 rows sampled) and copied by one memmove
+per row, whose fixed cost is lower than a dozen tensor ops. Standalone: no
+vLLM import.
 """
 
 import contextlib
@@ -32,13 +35,21 @@ _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux 5.14
 # Rows sampled with mincore to tell a warm step from a cold one.
 _SAMPLE_ROWS = 16
+# Up to this many rows (a decode step) the bookkeeping runs on Python ints and
+# each row is one memmove: a dozen tensor ops cost more than the copy itself.
+_SMALL_STEP_ROWS = 64
+# Rows sampled in such a step: one mincore call costs ~2 us on a 2-CPU VM, as
+# much as copying a few rows, and a table evicted in whole shows in any row.
+_SMALL_SAMPLE_ROWS = 4
 # From this many bytes (512 rows of 320 B) a step's gather runs on several torch
 # threads: on an H200 host they paid from 512 rows on (docs/ple_ssd.md).
 _PARALLEL_BYTES = 160 << 10
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_mincore = _libc.mincore
+_memmove = ctypes.memmove
 
 
 def check_plane_dtype(name: str, dtype: torch.dtype) -> None:
@@ -63,7 +74,7 @@ class MappedShard:
                 f"PLE shard file {path} is truncated: {nbytes} bytes expected "
                 f"at offset {offset}"
             )
-        self._vec = ctypes.create_string_buffer(1)
+        self._vec = (ctypes.c_ubyte * 1)()
         self.fd = os.open(path, os.O_RDONLY)
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
         self.delta = offset - base
@@ -87,12 +98,17 @@ class MappedShard:
 
     def resident(self, local: torch.Tensor) -> bool:
         """Whether the first page of each of these rows is in the page cache."""
+        first = self.address + self.delta
+        rows = local.tolist()
+        return self.resident_at([first + row * self.row_bytes for row in rows])
+
+    def resident_at(self, addresses: list[int]) -> bool:
+        """Whether the pages holding these addresses (in the mapping) are resident."""
         vec = self._vec
-        for row in local.tolist():
-            page = (self.delta + row * self.row_bytes) // _PAGE * _PAGE
-            if _libc.mincore(self.address + page, _PAGE, vec) != 0:
+        for address in addresses:
+            if _mincore(address - address % _PAGE, _PAGE, vec) != 0:
                 raise OSError(ctypes.get_errno(), f"mincore on {self.path}")
-            if not vec.raw[0] & 1:
+            if not vec[0] & 1:
                 return False
         return True
 
@@ -139,6 +155,9 @@ class RowGather:
             for _, (path, offset, rows) in sorted(shards.items())
         ]
         self._rows_per_shard = torch.tensor([m.num_rows for m in self.shards])
+        # Per shard, precomputed for small steps: its rows and row 0's address.
+        self._num_rows = [m.num_rows for m in self.shards]
+        self._row0 = [m.address + m.delta for m in self.shards]
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.last_cold = False
@@ -189,7 +208,10 @@ class RowGather:
                 f"out must be uint8 {(local.numel(), self.row_bytes)}, got "
                 f"{out.dtype} {tuple(out.shape)}"
             )
-        if local.numel() and bool((local >= self._rows_per_shard[shard]).any()):
+        if local.numel() <= _SMALL_STEP_ROWS and out.is_contiguous():
+            self._read_small(shard, local, out)
+            return
+        if bool((local >= self._rows_per_shard[shard]).any()):
             raise IndexError(
                 f"PLE row out of range for the shards' rows "
                 f"{self._rows_per_shard.tolist()}"
@@ -199,6 +221,40 @@ class RowGather:
         if self.last_cold:
             self._queue_reads(spans, local)
         self._gather(spans, local, out)
+
+    def _read_small(
+        self, shard: torch.Tensor, local: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """A small step on Python ints: the same checks, sample and bytes as the
+        tensor path, one memmove per row (ctypes releases the GIL for it)."""
+        shards, rows = shard.tolist(), local.tolist()
+        num_rows, row0, row_bytes = self._num_rows, self._row0, self.row_bytes
+        addresses = []
+        seen = []
+        for s, row in zip(shards, rows):
+            if not seen or seen[-1] != s:
+                if s in seen:
+                    raise ValueError("PLE row ids must be sorted by shard")
+                seen.append(s)
+            if not 0 <= s < len(num_rows) or not 0 <= row < num_rows[s]:
+                raise IndexError(
+                    f"PLE row out of range for the shards' rows {num_rows}"
+                )
+            addresses.append(row0[s] + row * row_bytes)
+        # At most _SMALL_SAMPLE_ROWS rows, spread over the step.
+        step = max(1, -(-len(rows) // _SMALL_SAMPLE_ROWS))
+        cold = False
+        for pick in range(0, len(rows), step):
+            if not self.shards[shards[pick]].resident_at([addresses[pick]]):
+                cold = True
+                break
+        self.last_cold = cold
+        if cold:
+            self._queue_reads(self._spans(shard), local)
+        dest, move = out.data_ptr(), _memmove
+        for address in addresses:
+            move(dest, address, row_bytes)
+            dest += row_bytes
 
     def _sample_resident(self, spans, local):
         total = local.numel()
