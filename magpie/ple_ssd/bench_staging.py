@@ -57,16 +57,20 @@ A CPU smoke run (no GPU, a small table): `--device cpu --table-gib 0.02 --warm-i
 from __future__ import annotations
 
 import argparse
-import ctypes
+import atexit
 import functools
+import importlib
+import importlib.util
 import json
 import mmap
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -90,11 +94,38 @@ STEPS = {1: (1, 1), 4: (1, 4), 16: (4, 4), 32: (8, 4), 2048: (1, 2048)}
 
 
 def load_module_from_patch(patch: Path, path: str = MODULE_PATH, name: str = "ple_mmap"):
-    """The new file that a patch adds, imported as a module (the patch tool's own parser)."""
-    return patches.load_new_module(patch, path, name)
+    """The new file that a patch adds, imported as a module of a scratch package that holds every
+    file the patch creates beside it (ple_mmap imports its row I/O from ple_rows); the patch
+    tool's own parser reads the patch."""
+    parsed = patches.parse_patch(str(patch), Path(patch).read_text(encoding="utf-8"))
+    folder = os.path.dirname(path)
+    created = {
+        os.path.basename(fp.path): "".join(line for hunk in fp.hunks for line in hunk.new_lines)
+        for fp in parsed.files
+        if not fp.old_exists and fp.new_exists and os.path.dirname(fp.path) == folder and fp.path.endswith(".py")
+    }
+    if os.path.basename(path) not in created:
+        raise SystemExit(f"error: {patch} does not create {path}")
+    root = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    atexit.register(shutil.rmtree, root, True)  # kept while this process runs (tracebacks read it)
+    package = f"_{name}_from_patch_{len(_LOADED)}"
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text("")
+    for file_name, text in created.items():
+        (root / package / file_name).write_text(text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(
+        package, root / package / "__init__.py", submodule_search_locations=[str(root / package)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[package] = module
+    spec.loader.exec_module(module)
+    _LOADED.append(package)
+    return importlib.import_module(f"{package}.{os.path.basename(path).removesuffix('.py')}")
 
 
-# --------------------------------------------------------------------------- table on disk
+_LOADED: list[str] = []
+
+
 def write_table(folder: Path, table_gib: float, shards: int, files: int, device: str) -> list[Path]:
     from safetensors.torch import save_file
 
@@ -140,6 +171,7 @@ class CacheControl:
         self.shards = list(shards.values())
         self.paths = paths
         self.ple_mmap = ple_mmap
+        self.ple_rows = importlib.import_module(".ple_rows", ple_mmap.__package__)
 
     def unmap(self) -> None:
         for shard in self.shards:
@@ -160,20 +192,11 @@ class CacheControl:
             shard.view(torch.uint8).view(-1)[:: mmap.PAGESIZE].sum()
 
     def resident_fraction(self, samples: int = 4096) -> float:
-        """Fraction of sampled table pages in the page cache (mincore(2))."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = mmap.PAGESIZE
-        vec = ctypes.c_ubyte()
+        """Fraction of sampled table pages in the page cache (ple_rows' mincore sample)."""
         rng = random.Random(1)
-        hits = 0
-        for _ in range(samples):
-            shard = rng.choice(self.shards)
-            address = shard.data_ptr() + rng.randrange(shard.numel() * 2)
-            address -= address % page
-            if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(page), ctypes.byref(vec)) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            hits += vec.value & 1
-        return hits / samples
+        picks = (rng.choice(self.shards) for _ in range(samples))
+        addresses = [shard.data_ptr() + rng.randrange(shard.numel() * 2) for shard in picks]
+        return self.ple_rows.resident_fraction(addresses)
 
 
 # --------------------------------------------------------------------------- the baseline

@@ -61,24 +61,40 @@ it: a serving worker keeps its single thread for everything else (H200 host:
 microseconds). ``pool_min_rows`` (off by default) sends every gather of that
 many rows to the pool.
 
-This module imports only torch, numpy (a dependency of vLLM) and the standard
-library: it runs on its own on a CPU or a GPU, which is how it is tested.
+Its row I/O (page size, madvise, the process's file mappings, mincore
+residency, torch threads scoped to one call, DLPack views of mapped memory)
+comes from ``ple_rows``, shipped beside it, which the vLLM 0.34 gather uses
+too. The two import only torch, numpy (a dependency of vLLM) and the standard
+library: they run on their own on a CPU or a GPU, which is how they are tested.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
-import os
-import resource
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import torch.utils.dlpack
 from torch import nn
+
+from .ple_rows import (
+    MADV_DONTNEED,
+    MADV_RANDOM,
+    PAGE_SIZE,
+    _page_range,
+    default_gather_threads,
+    default_index_select_threads,
+    file_mappings,
+    madvise,
+    madvise_range,
+    major_faults,
+    mapped_file,
+    tensor_at,
+    torch_threads_at_least,
+    unused_ranges,
+)
 
 # How this module names itself in its messages: the switch that turned it on
 # differs between the vLLM releases it ships for.
@@ -94,142 +110,11 @@ WITHOUT_IT = "use Engram offload_storage='pinned'"
 THREAD_PREFIX = "engram_mmap"
 # [release end]
 
-MADV_RANDOM = 1  # <sys/mman.h> on Linux
-MADV_DONTNEED = 4
-# The kernel's page size, read at run time: 4 KiB on most x86-64 kernels, 16 or
-# 64 KiB on some arm64 ones (GB10 kernels may use 64 KiB). Never assume 4 KiB.
-PAGE_SIZE = mmap.PAGESIZE
 # stage_dummy(): rows of a dummy batch (profiling, CUDA-graph warm-up and
 # capture), readable any number of times.
 DUMMY_EPOCH = -1
-_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 _MASK64 = (1 << 64) - 1
 _SIGN64 = 1 << 63
-
-_libc_handle: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _libc_handle
-    if _libc_handle is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        libc.madvise.restype = ctypes.c_int
-        _libc_handle = libc
-    return _libc_handle
-
-
-def _page_range(tensor: torch.Tensor, page: int = PAGE_SIZE) -> tuple[int, int]:
-    """Page-aligned [start, end) of the bytes a tensor covers."""
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    start -= start % page
-    end += -end % page
-    return start, end
-
-
-def madvise_range(start: int, end: int, advice: int) -> None:
-    """madvise(2) over [start, end) (page-aligned)."""
-    if end <= start:
-        return
-    if _libc().madvise(start, end - start, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(
-            err, f"madvise({advice}) on {end - start} bytes failed: {os.strerror(err)}"
-        )
-
-
-def madvise(tensor: torch.Tensor, advice: int) -> None:
-    """Advise the kernel (madvise(2)) on the pages a tensor covers (shared edge
-    pages included)."""
-    madvise_range(*_page_range(tensor), advice)
-
-
-def file_mappings(paths: set[str]) -> list[tuple[int, int, str]]:
-    """(start, end, path) of this process's mappings of the given files."""
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) < 6:
-                continue
-            path = fields[5].strip().removesuffix(" (deleted)")
-            if path in paths:
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                found.append((low, high, path))
-    return found
-
-
-def unused_ranges(
-    mappings: list[tuple[int, int]], keep: list[tuple[int, int]]
-) -> list[tuple[int, int]]:
-    """The parts of ``mappings`` outside every ``keep`` range (both page-aligned)."""
-    keep = sorted(keep)
-    free = []
-    for low, high in sorted(mappings):
-        cursor = low
-        for start, end in keep:
-            if end <= cursor or start >= high:
-                continue
-            if start > cursor:
-                free.append((cursor, start))
-            cursor = max(cursor, end)
-        if cursor < high:
-            free.append((cursor, high))
-    return free
-
-
-def major_faults() -> int:
-    """Major page faults (reads that waited for the disk) of the calling thread."""
-    return resource.getrusage(_RUSAGE_THREAD).ru_majflt
-
-
-def default_gather_threads() -> int:
-    """Threads of the gather pool: the CPUs this process may run on, at most 16."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(16, cpus))
-
-
-def default_index_select_threads() -> int:
-    """The torch threads of one large warm gather: the CPUs we may use, at most 8."""
-    return min(8, default_gather_threads())
-
-
-def mapped_file(tensor: torch.Tensor) -> str | None:
-    """The file whose memory mapping holds all of the tensor's bytes, or None.
-
-    None means the bytes live in anonymous memory (a copy, a read into RAM, a
-    device), so serving from them would keep the whole table resident.
-    """
-    if tensor.device.type != "cpu" or tensor.numel() == 0:
-        return None
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    path = None
-    covered = start
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            low, high = (int(x, 16) for x in fields[0].split("-"))
-            if high <= covered or low > covered:
-                if low >= end:
-                    break
-                continue
-            name = fields[5].strip() if len(fields) == 6 else ""
-            if fields[4] == "0" or not name or name.startswith("["):
-                return None
-            name = name.removesuffix(" (deleted)")
-            if path is not None and name != path:
-                return None
-            path = name
-            covered = high
-            if covered >= end:
-                return path
-    return None
-
 
 # CUDA driver attributes (cuda.h, CUdevice_attribute; the runtime's
 # cudaDevAttr* enum has the same values).
@@ -274,75 +159,6 @@ def choose_lookup(device_type: str, uses_host_page_tables: int | None) -> str:
     if device_type == "cuda" and uses_host_page_tables == 1:
         return "direct"
     return "staged"
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-    ]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [
-        ("dl_tensor", _DLTensor),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-    ]
-
-
-_DL_CPU, _DL_CUDA = 1, 2
-_DL_WORDS = {1: (1, torch.uint8), 2: (0, torch.int16), 4: (0, torch.int32)}
-_DL_WORDS[8] = (0, torch.int64)
-# The structures of every view made (a view lives as long as the table).
-_DL_KEEP: list = []
-
-
-def tensor_at(
-    address: int, count: int, word: int, device: torch.device
-) -> torch.Tensor:
-    """A 1-D tensor of ``count`` ``word``-byte integers at ``address``, on
-    ``device``, owning nothing (DLPack, no deleter). On a CUDA device the
-    address is a host virtual address: only valid where the GPU reads pageable
-    host memory (``choose_lookup`` returns "direct")."""
-    code, dtype = _DL_WORDS[word]
-    shape = (ctypes.c_int64 * 1)(count)
-    managed = _DLManagedTensor()
-    managed.dl_tensor.data = address
-    managed.dl_tensor.device = _DLDevice(
-        _DL_CUDA if device.type == "cuda" else _DL_CPU,
-        (device.index or 0) if device.type == "cuda" else 0,
-    )
-    managed.dl_tensor.ndim = 1
-    managed.dl_tensor.dtype = _DLDataType(code, word * 8, 1)
-    managed.dl_tensor.shape = shape
-    managed.dl_tensor.strides = None
-    managed.dl_tensor.byte_offset = 0
-    _DL_KEEP.append((managed, shape))
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
-    tensor = torch.utils.dlpack.from_dlpack(capsule)
-    assert tensor.dtype == dtype and tensor.data_ptr() == address
-    return tensor
 
 
 def _wrap_int64(value: int) -> int:
@@ -960,15 +776,8 @@ class MmapNGramTable(nn.Module):
         """Rows [start, end) by one torch.index_select into ``out``'s bytes."""
         dest = out[start:end].view(np.uint8).reshape(end - start, self.row_bytes)
         index = torch.from_numpy(np.ascontiguousarray(offsets[start:end]))
-        before = torch.get_num_threads()
-        raised = self.index_select_threads > before
-        if raised:
-            torch.set_num_threads(self.index_select_threads)
-        try:
+        with torch_threads_at_least(self.index_select_threads):
             torch.index_select(self.rows_at, 0, index, out=torch.from_numpy(dest))
-        finally:
-            if raised:
-                torch.set_num_threads(before)
 
     def _copy_rows(self, offsets: np.ndarray, start: int, end: int, out) -> None:
         step = self.rows_per_task
