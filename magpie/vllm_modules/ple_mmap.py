@@ -432,6 +432,41 @@ class MmapNGramTable(nn.Module):
         # steps up to host_hash_max_tokens tokens are hashed on the host.
         self.direct_copy_max_rows = int(direct_copy_max_rows)
         self.host_hash_max_tokens = int(host_hash_max_tokens)
+        self._init_gather_settings(
+            num_threads,
+            rows_per_task,
+            pool_min_rows,
+            index_select_min_rows,
+            index_select_threads,
+        )
+        self.stats = {
+            "gathers": 0,
+            "pool_gathers": 0,
+            "disk_waits": 0,
+            "index_selects": 0,
+        }
+        self.required_shards = [
+            index
+            for index in range(self.num_shards)
+            if self.shard_rows(index) > 0
+            and index * self.shard_size < self.row_end
+            and (index + 1) * self.shard_size > self.row_start
+        ]
+        self.shards: dict[int, torch.Tensor] = {}
+        self.files: dict[int, str] = {}
+        self.released_bytes = 0
+        self.ready = False
+        self._init_device_buffers(static_output)
+        self._init_host_buffers(blocking_wait)
+
+    def _init_gather_settings(
+        self,
+        num_threads: int | None,
+        rows_per_task: int,
+        pool_min_rows: int | None,
+        index_select_min_rows: int,
+        index_select_threads: int | None,
+    ) -> None:
         # After a disk wait a gather is split over num_threads threads (numpy
         # indexing, GIL released), whatever torch's thread count; each indexing
         # call copies at most rows_per_task rows (its scratch stays small enough
@@ -452,24 +487,8 @@ class MmapNGramTable(nn.Module):
             if index_select_threads is None
             else int(index_select_threads),
         )
-        self.stats = {
-            "gathers": 0,
-            "pool_gathers": 0,
-            "disk_waits": 0,
-            "index_selects": 0,
-        }
-        self.required_shards = [
-            index
-            for index in range(self.num_shards)
-            if self.shard_rows(index) > 0
-            and index * self.shard_size < self.row_end
-            and (index + 1) * self.shard_size > self.row_start
-        ]
-        self.shards: dict[int, torch.Tensor] = {}
-        self.files: dict[int, str] = {}
-        self.released_bytes = 0
-        self.ready = False
 
+    def _init_device_buffers(self, static_output: bool) -> None:
         # Device side (created on the current default device, like the stock
         # table): unique rows of a large step and, with ``static_output``, the
         # buffer a CUDA-graph-captured forward reads.
@@ -497,6 +516,7 @@ class MmapNGramTable(nn.Module):
         self.device = self.device_rows.device
         self.on_cuda = self.device.type == "cuda"
 
+    def _init_host_buffers(self, blocking_wait: bool) -> None:
         # Host side: pinned where CUDA exists, so uploads are asynchronous.
         self.pin = torch.cuda.is_available()
         self.host_rows = torch.empty(
