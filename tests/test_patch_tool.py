@@ -345,9 +345,11 @@ def test_each_module_the_series_create_is_what_its_one_source_generates():
         for m in patches.shipped_modules(folder)
     }
     assert found == {
+        ("0.29.0", "vllm/models/qwen4_exp/ple_hash.py"): "ple_hash.py",
         ("0.29.0", "vllm/models/qwen4_exp/ple_mmap.py"): "ple_mmap.py",
         ("0.29.0", "vllm/models/qwen4_exp/ple_rows.py"): "ple_rows.py",
         ("0.29.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
+        ("0.33.0", "vllm/models/qwen4_exp/common/ple_hash.py"): "ple_hash.py",
         ("0.33.0", "vllm/models/qwen4_exp/common/ple_mmap.py"): "ple_mmap.py",
         ("0.33.0", "vllm/models/qwen4_exp/common/ple_rows.py"): "ple_rows.py",
         ("0.33.0", "vllm/v1/spec_decode/draft_vocab.py"): "draft_vocab.py",
