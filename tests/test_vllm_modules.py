@@ -60,7 +60,13 @@ def test_a_keep_set_outside_the_vocabulary_is_refused_naming_the_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, allowed", [("ple_mmap.py", {"numpy", "torch"}), ("ple_rows.py", {"torch"}), ("draft_vocab.py", {"torch"})]
+    "name, allowed",
+    [
+        ("ple_mmap.py", {"numpy", "torch"}),
+        ("ple_hash.py", {"numpy", "torch"}),
+        ("ple_rows.py", {"torch"}),
+        ("draft_vocab.py", {"torch"}),
+    ],
 )
 @pytest.mark.parametrize("release", releases.series_releases())
 def test_each_shipped_module_imports_only_torch_numpy_and_the_standard_library(name, allowed, release):

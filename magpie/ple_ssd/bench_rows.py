@@ -6,9 +6,11 @@ posix_fadvise(DONTNEED) before each repeat), for several row counts.
 
 Standalone, CPU only: it writes a safetensors file holding a table split into shards (real
 safetensors library), draws sorted distinct row ids as `stage_rows` passes them, checks that
-both readers return the same bytes, and prints a table (median, min, max over the repeats).
+both readers return the same bytes, and prints upstream's and ours side by side (median
+[min-max] over the repeats).
 
   python -m magpie.ple_ssd.bench_rows --table-mib 512 --repeats 5 --dir /path/on/the/ssd
+  python -m magpie.ple_ssd.bench_rows --rows 16 64 512 4096 --states warm --conditions server
 
 "server" runs with torch limited to 1 thread (as in a vLLM worker); "ideal" with torch's
 default thread count. The cold rows need a file system whose pages DONTNEED can drop (not
@@ -112,10 +114,12 @@ def measure(args) -> list[dict]:
         }
         readers = {"upstream": upstream, "ours(fadvise)": ours["fadvise"], "ours(populate)": ours["populate"]}
         gen = torch.Generator().manual_seed(1)
-        for condition, threads in (("server", 1), ("ideal", default_threads)):
+        conditions = {"server": 1, "ideal": default_threads}
+        for condition in args.conditions:
+            threads = conditions[condition]
             torch.set_num_threads(threads)
             for rows in args.rows:
-                for state in ("warm", "cold"):
+                for state in args.states:
                     for name, reader in readers.items():
                         if state == "warm" and name == "ours(populate)":
                             continue  # the same gather as ours(fadvise) when warm
@@ -178,12 +182,23 @@ def _direct(path, layout, shard, local, row_bytes) -> bytes:
     return b"".join(chunks)
 
 
-def table(results: list[dict]) -> str:
-    lines = [f"{'condition':<9} {'state':<5} {'rows':>6} {'reader':<15} {'median ms':>10} {'min ms':>9} {'max ms':>9}"]
+def side_by_side(results: list[dict]) -> str:
+    """Upstream's loop and ours in one line per (condition, state, rows): median [min-max]."""
+    cells: dict[tuple, dict[str, dict]] = {}
     for r in results:
+        cells.setdefault((r["condition"], r["state"], r["rows"]), {})[r["reader"]] = r
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        return f"{r['median_ms']:.3f} [{r['min_ms']:.3f}-{r['max_ms']:.3f}]"
+
+    heads = ("upstream ms", "ours(fadvise) ms", "ours(populate) ms")
+    lines = [f"{'condition':<9} {'state':<5} {'rows':>6} " + " ".join(f"{h:>24}" for h in heads)]
+    for (condition, state, rows), readers in cells.items():
         lines.append(
-            f"{r['condition']:<9} {r['state']:<5} {r['rows']:>6} {r['reader']:<15} "
-            f"{r['median_ms']:>10.3f} {r['min_ms']:>9.3f} {r['max_ms']:>9.3f}"
+            f"{condition:<9} {state:<5} {rows:>6} {cell(readers.get('upstream')):>24} "
+            f"{cell(readers.get('ours(fadvise)')):>24} {cell(readers.get('ours(populate)')):>24}"
         )
     return "\n".join(lines)
 
@@ -196,6 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROW_COUNTS))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--states", nargs="+", choices=("warm", "cold"), default=["warm", "cold"], help="page cache states to time"
+    )
+    parser.add_argument(
+        "--conditions",
+        nargs="+",
+        choices=("server", "ideal"),
+        default=["server", "ideal"],
+        help="server: torch at 1 thread outside the gather (a vLLM worker); ideal: torch's default",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -211,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if max(args.rows) > total:
         parser.error(f"--rows {max(args.rows)} exceeds the table's {total} rows: raise --table-mib")
     results = measure(args)
-    print(table(results))
+    print(side_by_side(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0

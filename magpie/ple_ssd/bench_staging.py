@@ -1,4 +1,8 @@
 #!/usr/bin/env python3
+# Over ~800 lines on purpose: one benchmark with two suites (server, full) over the same table,
+# cache control, timers and report, which every published figure of docs/ple_ssd.md names by
+# its keys; split across files, a reader of one figure would follow its key through several.
+# The suites are classes (ServerRun, FullRun) whose methods each time one part.
 """Per-step cost of serving the Qwen4Exp n-gram (PLE) table from disk, in a serving vLLM's conditions.
 
 H200: python3 magpie bench-staging --dir /var/tmp/ple-bench --table-gib 8 \\
@@ -9,8 +13,9 @@ safetensors files, opens them the way vLLM's default loader does (zero-copy mmap
 staging one step's rows for decode steps (1 token; 4 = c=1 with MTP k=3; 16 = c=4, k=3; 32 =
 c=8, k=3) and a prefill chunk (2048 tokens), 16 hashed heads per token. The code under test is
 the module that patch 0001 adds to vLLM, read from the patch file itself (so the benchmark
-needs only torch, numpy and safetensors), beside the same module as it was before issue 14
-(`--before-patch`: the checkout keeps that patch with the measurements it was timed for,
+needs only torch, numpy and safetensors), beside the same module as it was before the
+server-conditions rework (one torch thread outside the gather, the pool only after a disk wait;
+`--before-patch`: the checkout keeps that patch with the measurements it was timed for,
 `measurements/ple_ssd/0001-ple-mmap-table.before-issue-14.patch`; the package does not ship
 it), in one run:
 
@@ -52,16 +57,20 @@ A CPU smoke run (no GPU, a small table): `--device cpu --table-gib 0.02 --warm-i
 from __future__ import annotations
 
 import argparse
-import ctypes
+import atexit
 import functools
+import importlib
+import importlib.util
 import json
 import mmap
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -85,11 +94,38 @@ STEPS = {1: (1, 1), 4: (1, 4), 16: (4, 4), 32: (8, 4), 2048: (1, 2048)}
 
 
 def load_module_from_patch(patch: Path, path: str = MODULE_PATH, name: str = "ple_mmap"):
-    """The new file that a patch adds, imported as a module (the patch tool's own parser)."""
-    return patches.load_new_module(patch, path, name)
+    """The new file that a patch adds, imported as a module of a scratch package that holds every
+    file the patch creates beside it (ple_mmap imports its row I/O from ple_rows); the patch
+    tool's own parser reads the patch."""
+    parsed = patches.parse_patch(str(patch), Path(patch).read_text(encoding="utf-8"))
+    folder = os.path.dirname(path)
+    created = {
+        os.path.basename(fp.path): "".join(line for hunk in fp.hunks for line in hunk.new_lines)
+        for fp in parsed.files
+        if not fp.old_exists and fp.new_exists and os.path.dirname(fp.path) == folder and fp.path.endswith(".py")
+    }
+    if os.path.basename(path) not in created:
+        raise SystemExit(f"error: {patch} does not create {path}")
+    root = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    atexit.register(shutil.rmtree, root, True)  # kept while this process runs (tracebacks read it)
+    package = f"_{name}_from_patch_{len(_LOADED)}"
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text("")
+    for file_name, text in created.items():
+        (root / package / file_name).write_text(text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(
+        package, root / package / "__init__.py", submodule_search_locations=[str(root / package)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[package] = module
+    spec.loader.exec_module(module)
+    _LOADED.append(package)
+    return importlib.import_module(f"{package}.{os.path.basename(path).removesuffix('.py')}")
 
 
-# --------------------------------------------------------------------------- table on disk
+_LOADED: list[str] = []
+
+
 def write_table(folder: Path, table_gib: float, shards: int, files: int, device: str) -> list[Path]:
     from safetensors.torch import save_file
 
@@ -135,6 +171,7 @@ class CacheControl:
         self.shards = list(shards.values())
         self.paths = paths
         self.ple_mmap = ple_mmap
+        self.ple_rows = importlib.import_module(".ple_rows", ple_mmap.__package__)
 
     def unmap(self) -> None:
         for shard in self.shards:
@@ -155,20 +192,11 @@ class CacheControl:
             shard.view(torch.uint8).view(-1)[:: mmap.PAGESIZE].sum()
 
     def resident_fraction(self, samples: int = 4096) -> float:
-        """Fraction of sampled table pages in the page cache (mincore(2))."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = mmap.PAGESIZE
-        vec = ctypes.c_ubyte()
+        """Fraction of sampled table pages in the page cache (ple_rows' mincore sample)."""
         rng = random.Random(1)
-        hits = 0
-        for _ in range(samples):
-            shard = rng.choice(self.shards)
-            address = shard.data_ptr() + rng.randrange(shard.numel() * 2)
-            address -= address % page
-            if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(page), ctypes.byref(vec)) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            hits += vec.value & 1
-        return hits / samples
+        picks = (rng.choice(self.shards) for _ in range(samples))
+        addresses = [shard.data_ptr() + rng.randrange(shard.numel() * 2) for shard in picks]
+        return self.ple_rows.resident_fraction(addresses)
 
 
 # --------------------------------------------------------------------------- the baseline
@@ -361,8 +389,8 @@ def scoped_index_select(rows_at: torch.Tensor, out: torch.Tensor, threads: int, 
 
 
 def run_server(args, ctx: dict, results: dict, save) -> None:
-    """Issue 14's server conditions: one torch thread beside the free count (item 1), the
-    GPU idle beside busy (item 5), the code before issue 14 beside the current one."""
+    """The server conditions: one torch thread beside the free count, the GPU idle beside
+    busy, the module before the server-conditions rework beside the current one."""
     run = ServerRun(args, ctx, results)
     run.check_against_resident()
     run.time_thread_conditions(save)
@@ -371,8 +399,8 @@ def run_server(args, ctx: dict, results: dict, save) -> None:
 
 
 class ServerRun:
-    """The parts of the server suite, over one pair of tables (the module before issue 14 and
-    the current one) built over the same mapped shards."""
+    """The parts of the server suite, over one pair of tables (the module before the
+    server-conditions rework and the current one) built over the same mapped shards."""
 
     def __init__(self, args, ctx: dict, results: dict):
         self.args, self.ctx, self.results = args, ctx, results
@@ -462,7 +490,7 @@ class ServerRun:
         print("matches resident:", checks, file=sys.stderr, flush=True)
 
     def time_thread_conditions(self, save) -> None:
-        """Item 1: torch threads 1 (vLLM after warm-up) beside the free count; old beside new."""
+        """torch threads 1 (vLLM after warm-up) beside the free count; old beside new."""
         for condition, threads in self.conditions.items():
             torch.set_num_threads(threads)
             self.time_stages(condition)
@@ -493,7 +521,7 @@ class ServerRun:
             "new_gather": lambda offs: new.gather_offsets(offs, new.host_rows_np),
         }
         if condition == SERVER:
-            # Issue 18 item 3: torch's own threads for the one index_select only, the server's
+            # Scoped threads: torch's own threads for the one index_select only, the server's
             # single thread restored after it (the switch is inside the timed call).
             for scoped in self.args.scoped_threads:
                 gathers[f"index_select_scoped_{scoped}t"] = functools.partial(
@@ -516,9 +544,9 @@ class ServerRun:
                 self.record("gather", name, condition, rows, walls)
 
     def time_gpu_states(self, save) -> None:
-        """Item 5: the server condition (one torch thread), GPU idle / busy / after the previous step."""
+        """The server condition (one torch thread), GPU idle / busy / after the previous step."""
         if self.device.type != "cuda":
-            self.results["skipped"].append("item 5 busy and after-previous-step modes: no CUDA device")
+            self.results["skipped"].append("GPU busy and after-previous-step modes: no CUDA device")
             return
         args, device = self.args, self.device
         workload = busy_workload(device)
@@ -671,8 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--before-patch",
         type=Path,
-        help="0001 as it was before issue 14, timed beside the current one (--suite server needs it; "
-        "a checkout keeps it as measurements/ple_ssd/0001-ple-mmap-table.before-issue-14.patch)",
+        help="0001 as it was before the server-conditions rework, timed beside the current one "
+        "(--suite server needs it; a checkout keeps it as "
+        "measurements/ple_ssd/0001-ple-mmap-table.before-issue-14.patch)",
     )
     parser.add_argument("--stale-replay-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("ple_ssd_bench.json"), help="JSON results")
@@ -688,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     files.check_output(args.out, args.force, what="--out")
     if args.suite == "server" and args.before_patch is None:
         raise SystemExit(
-            "error: --suite server times the module before issue 14 beside the current one: give "
+            "error: --suite server times the module before the server-conditions rework beside the "
+            "current one: give "
             "--before-patch PATH (in a checkout: measurements/ple_ssd/0001-ple-mmap-table.before-issue-14.patch), "
             "or run --suite full (the current module alone)"
         )
@@ -730,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         "token_sizes": token_sizes,
     }
     if args.suite == "server":
-        ctx["old"] = load_module_from_patch(args.before_patch, name="ple_mmap_before_issue_14")
+        ctx["old"] = load_module_from_patch(args.before_patch, name="ple_mmap_before_server_rework")
         run_server(args, ctx, results, save)
     else:
         run_full(args, ctx, results, save)
@@ -741,147 +771,176 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_full(args, ctx: dict, results: dict, save) -> None:
     """The earlier comparison: every method, warm / cached / cold, several thread counts."""
-    ple_mmap, device, shards, paths, hasher, resident = (
-        ctx[k] for k in ("new", "device", "shards", "paths", "hasher", "resident")
-    )
-    num_rows, shard_rows, token_sizes = ctx["num_rows"], ctx["shard_rows"], ctx["token_sizes"]
-    thread_counts = [int(t) for t in args.threads.split(",")]
-    modes = args.modes.split(",")
-    max_tokens = max(token_sizes)
-    deadline = time.perf_counter() + args.deadline_s
-    cache = CacheControl(shards, paths, ple_mmap)
+    run = FullRun(args, ctx, results)
+    run.check_against_resident()
+    run.time_modes(save)
+    run.extras()
 
-    def make_table(threads: int, direct_copy_max_rows: int):
-        with torch.device(device):
-            table = ple_mmap.MmapNGramTable(
-                num_rows=num_rows,
+
+class FullRun:
+    """The full suite's tables (as shipped, every step deduplicated, none deduplicated), the
+    straightforward baseline and the resident table, each timed per cache state."""
+
+    def __init__(self, args, ctx: dict, results: dict):
+        self.args, self.ctx, self.results = args, ctx, results
+        self.device, self.hasher, self.resident = ctx["device"], ctx["hasher"], ctx["resident"]
+        self.token_sizes = ctx["token_sizes"]
+        self.thread_counts = [int(t) for t in args.threads.split(",")]
+        self.cache = CacheControl(ctx["shards"], ctx["paths"], ctx["new"])
+        self.tables = {t: self.make_table(t, 1024) for t in self.thread_counts}
+        # The same table with every step taking the sorted, deduplicated path (for the threshold).
+        self.sorted_tables = {t: self.make_table(t, 0) for t in self.thread_counts}
+        # ... and with none deduplicated: large steps hashed on the host, rows in token order.
+        self.direct_tables = {t: self.make_table(t, 1 << 40) for t in self.thread_counts}
+        results["environment"]["table"] = self.tables[self.thread_counts[0]].describe()
+        max_ids = max(self.token_sizes) * HEADS
+        self.baselines = {
+            t: StraightforwardGather(ctx["shards"], ctx["shard_rows"], max_ids, t, self.device)
+            for t in self.thread_counts
+        }
+        print("table ready:", results["environment"]["table"], file=sys.stderr, flush=True)
+        self.rng = random.Random(7)
+        self.methods = self.make_methods()
+
+    def make_table(self, threads: int, direct_copy_max_rows: int):
+        ctx = self.ctx
+        with torch.device(self.device):
+            table = ctx["new"].MmapNGramTable(
+                num_rows=ctx["num_rows"],
                 row_width=ROW_WIDTH,
                 dtype=torch.bfloat16,
-                num_shards=len(shards),
-                max_tokens=max_tokens,
+                num_shards=len(ctx["shards"]),
+                max_tokens=max(self.token_sizes),
                 heads=HEADS,
-                hasher=hasher,
+                hasher=self.hasher,
                 static_output=True,
                 num_threads=threads,
                 direct_copy_max_rows=direct_copy_max_rows,
             )
-        for index, shard in shards.items():
+        for index, shard in ctx["shards"].items():
             table.add_shard(index, shard)
         table.finish_loading()
         return table
 
-    tables = {threads: make_table(threads, 1024) for threads in thread_counts}
-    # The same table with every step taking the sorted, deduplicated path (for the threshold).
-    sorted_tables = {threads: make_table(threads, 0) for threads in thread_counts}
-    # ... and with none deduplicated: large steps hashed on the host, rows in token order.
-    direct_tables = {threads: make_table(threads, 1 << 40) for threads in thread_counts}
-    results["environment"]["table"] = tables[thread_counts[0]].describe()
-    baselines = {t: StraightforwardGather(shards, shard_rows, max_tokens * HEADS, t, device) for t in thread_counts}
+    def make_methods(self) -> dict:
+        tables, sorted_tables, direct_tables = self.tables, self.sorted_tables, self.direct_tables
+        baselines, resident = self.baselines, self.resident
+        return {
+            "ple_mmap_stage": lambda t, host, dev, ids: tables[t].stage(*dev),
+            "ple_mmap_stage_host": lambda t, host, dev, ids: tables[t].stage(*host),
+            "ple_mmap_lookup": lambda t, host, dev, ids: tables[t].lookup(ids),
+            "ple_mmap_stage_sorted": lambda t, host, dev, ids: sorted_tables[t].stage(*dev),
+            "ple_mmap_stage_direct": lambda t, host, dev, ids: direct_tables[t].stage(*dev),
+            "baseline": lambda t, host, dev, ids: baselines[t].lookup(ids),
+            "resident": lambda t, host, dev, ids: torch.nn.functional.embedding(ids, resident),
+            "sync_only": lambda t, host, dev, ids: None,  # the timer's own floor: one device sync
+        }
 
-    print("table ready:", results["environment"]["table"], file=sys.stderr, flush=True)
-
-    rng = random.Random(7)
-
-    def next_step(tokens):
-        host = make_step(rng, tokens)  # fresh tokens every step: no row is reused on purpose
-        dev = tuple(t.to(device) for t in host)
-        ids = hasher.ids_tensor(*dev)
-        sync(device)
+    def next_step(self, tokens: int):
+        host = make_step(self.rng, tokens)  # fresh tokens every step: no row is reused on purpose
+        dev = tuple(t.to(self.device) for t in host)
+        ids = self.hasher.ids_tensor(*dev)
+        sync(self.device)
         return host, dev, ids
 
-    methods = {
-        "ple_mmap_stage": lambda t, host, dev, ids: tables[t].stage(*dev),
-        "ple_mmap_stage_host": lambda t, host, dev, ids: tables[t].stage(*host),
-        "ple_mmap_lookup": lambda t, host, dev, ids: tables[t].lookup(ids),
-        "ple_mmap_stage_sorted": lambda t, host, dev, ids: sorted_tables[t].stage(*dev),
-        "ple_mmap_stage_direct": lambda t, host, dev, ids: direct_tables[t].stage(*dev),
-        "baseline": lambda t, host, dev, ids: baselines[t].lookup(ids),
-        "resident": lambda t, host, dev, ids: torch.nn.functional.embedding(ids, resident),
-        "sync_only": lambda t, host, dev, ids: None,  # the timer's own floor: one device sync
-    }
-
-    # Correctness first: every method against the resident table, each step size.
-    checks = {}
-    for tokens in token_sizes:
-        host, dev, ids = next_step(tokens)
-        want = torch.nn.functional.embedding(ids, resident).reshape(len(host[0]), -1).view(torch.int16)
-        for name, method in methods.items():
-            try:
-                got = method(thread_counts[-1], host, dev, ids)
-                if name == "sync_only":
-                    continue
-                if name.startswith("ple_mmap_stage"):
-                    table = {"sorted": sorted_tables, "direct": direct_tables}.get(name.rsplit("_", 1)[1], tables)
-                    got = table[thread_counts[-1]].staged(len(host[0]))
-                checks[f"{name}/{tokens}"] = bool(torch.equal(got.reshape(len(host[0]), -1).view(torch.int16), want))
-            except Exception:
-                results["errors"].append({"check": name, "tokens": tokens, "error": traceback.format_exc()})
-    results["matches_resident"] = checks
-    print("matches resident:", checks, file=sys.stderr, flush=True)
-
-    cache.touch_all()
-    results["environment"]["resident_fraction_warm"] = cache.resident_fraction()
-    for mode in modes:
-        if mode == "cold":
-            cache.drop()
-            results["environment"]["resident_fraction_after_drop"] = cache.resident_fraction()
-        before = {"warm": None, "cached": cache.unmap, "cold": cache.drop}[mode]
-        for tokens in token_sizes:
-            for name, method in methods.items():
-                if mode != "warm" and name not in ("ple_mmap_stage", "baseline"):
-                    continue  # the other ple_mmap entries share the stage's gather
-                for threads in thread_counts if name not in ("resident", "sync_only") else thread_counts[:1]:
-                    iters = args.warm_iters if mode == "warm" else args.cold_iters
-                    if tokens >= 1024:
-                        iters = max(3, iters // 4)
-                    try:
-                        warmups = 3 if mode == "warm" else 0
-                        budget = 10.0 if mode == "warm" else 5.0
-                        if time.perf_counter() > deadline:
-                            results["skipped"].append(f"{mode}/{name}/{tokens}/t{threads}")
-                            continue
-                        step_of = functools.partial(next_step, tokens)
-                        times = time_steps(method, threads, step_of, iters, warmups, device, before, budget)
-                    except Exception:
-                        results["errors"].append(
-                            {"method": name, "tokens": tokens, "mode": mode, "error": traceback.format_exc()}
-                        )
+    def check_against_resident(self) -> None:
+        """Correctness first: every method against the resident table, each step size."""
+        checks = {}
+        threads = self.thread_counts[-1]
+        for tokens in self.token_sizes:
+            host, dev, ids = self.next_step(tokens)
+            want = torch.nn.functional.embedding(ids, self.resident).reshape(len(host[0]), -1).view(torch.int16)
+            for name, method in self.methods.items():
+                try:
+                    got = method(threads, host, dev, ids)
+                    if name == "sync_only":
                         continue
-                    results["records"].append(
-                        {
-                            "key": [name, mode, str(tokens), f"t{threads}"],
-                            "method": name,
-                            "tokens": tokens,
-                            "mode": mode,
-                            "threads": threads,
-                            "times_ms": [t * 1e3 for t in times],
-                        }
-                    )
-                    print(
-                        f"{mode:6s} {name:20s} tokens={tokens:5d} threads={threads:2d} "
-                        f"median={statistics.median(times) * 1e3:8.3f} ms (n={len(times)})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            save()
-        if mode == "cold":
-            cache.touch_all()
+                    if name.startswith("ple_mmap_stage"):
+                        kind = name.rsplit("_", 1)[1]
+                        table = {"sorted": self.sorted_tables, "direct": self.direct_tables}.get(kind, self.tables)
+                        got = table[threads].staged(len(host[0]))
+                    same = torch.equal(got.reshape(len(host[0]), -1).view(torch.int16), want)
+                    checks[f"{name}/{tokens}"] = bool(same)
+                except Exception:
+                    self.results["errors"].append({"check": name, "tokens": tokens, "error": traceback.format_exc()})
+        self.results["matches_resident"] = checks
+        print("matches resident:", checks, file=sys.stderr, flush=True)
 
-    results["disk"] = []
-    for threads in sorted(set(thread_counts)):
+    def time_modes(self, save) -> None:
+        """Every method per cache state: warm (mapped and cached), cached (unmapped), cold."""
+        cache, environment = self.cache, self.results["environment"]
+        deadline = time.perf_counter() + self.args.deadline_s
+        cache.touch_all()
+        environment["resident_fraction_warm"] = cache.resident_fraction()
+        for mode in self.args.modes.split(","):
+            if mode == "cold":
+                cache.drop()
+                environment["resident_fraction_after_drop"] = cache.resident_fraction()
+            for tokens in self.token_sizes:
+                for name in self.methods:
+                    if mode != "warm" and name not in ("ple_mmap_stage", "baseline"):
+                        continue  # the other ple_mmap entries share the stage's gather
+                    single = name in ("resident", "sync_only")
+                    for threads in self.thread_counts[:1] if single else self.thread_counts:
+                        if time.perf_counter() > deadline:
+                            self.results["skipped"].append(f"{mode}/{name}/{tokens}/t{threads}")
+                            continue
+                        self.time_method(name, mode, tokens, threads)
+                save()
+            if mode == "cold":
+                cache.touch_all()
+
+    def time_method(self, name: str, mode: str, tokens: int, threads: int) -> None:
+        before = {"warm": None, "cached": self.cache.unmap, "cold": self.cache.drop}[mode]
+        iters = self.args.warm_iters if mode == "warm" else self.args.cold_iters
+        if tokens >= 1024:
+            iters = max(3, iters // 4)
+        warmups = 3 if mode == "warm" else 0
+        budget = 10.0 if mode == "warm" else 5.0
+        step_of = functools.partial(self.next_step, tokens)
         try:
-            results["disk"].append(disk_random_reads(paths, threads, args.disk_seconds))
+            times = time_steps(self.methods[name], threads, step_of, iters, warmups, self.device, before, budget)
         except Exception:
-            results["errors"].append({"disk": threads, "error": traceback.format_exc()})
-    try:
-        results["breakdown_us"] = breakdown(tables[thread_counts[0]], hasher, rng, device, token_sizes)
-    except Exception:
-        results["errors"].append({"breakdown": traceback.format_exc()})
-    if device.type == "cuda":
+            error = {"method": name, "tokens": tokens, "mode": mode, "error": traceback.format_exc()}
+            self.results["errors"].append(error)
+            return
+        self.results["records"].append(
+            {
+                "key": [name, mode, str(tokens), f"t{threads}"],
+                "method": name,
+                "tokens": tokens,
+                "mode": mode,
+                "threads": threads,
+                "times_ms": [t * 1e3 for t in times],
+            }
+        )
+        print(
+            f"{mode:6s} {name:20s} tokens={tokens:5d} threads={threads:2d} "
+            f"median={statistics.median(times) * 1e3:8.3f} ms (n={len(times)})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def extras(self) -> None:
+        """The disk's random-read rate, the per-part breakdown, and (CUDA) a graph replay check."""
+        results, threads = self.results, self.thread_counts
+        results["disk"] = []
+        for count in sorted(set(threads)):
+            try:
+                results["disk"].append(disk_random_reads(self.ctx["paths"], count, self.args.disk_seconds))
+            except Exception:
+                results["errors"].append({"disk": count, "error": traceback.format_exc()})
         try:
-            results["cuda_graph"] = cuda_graph_check(tables[thread_counts[-1]], hasher, resident, rng, device)
+            table = self.tables[threads[0]]
+            results["breakdown_us"] = breakdown(table, self.hasher, self.rng, self.device, self.token_sizes)
         except Exception:
-            results["errors"].append({"cuda_graph": traceback.format_exc()})
+            results["errors"].append({"breakdown": traceback.format_exc()})
+        if self.device.type == "cuda":
+            try:
+                table = self.tables[threads[-1]]
+                results["cuda_graph"] = cuda_graph_check(table, self.hasher, self.resident, self.rng, self.device)
+            except Exception:
+                results["errors"].append({"cuda_graph": traceback.format_exc()})
 
 
 def cuda_graph_check(table, hasher, resident, rng, device) -> dict:
@@ -1042,7 +1101,7 @@ def print_table(results: dict) -> None:
                 ("old free", "stage/old_stage/free/{size}"),
                 ("new free", "stage/new_stage/free/{size}"),
             ],
-            "item 1: stage() per step, median ms, tokens per step; one torch thread (server) vs free",
+            "stage() per step, median ms, tokens per step; one torch thread (server) vs free",
         )
         sizes = sorted({key.split("/")[3] for key in summary if key.startswith("gather/")}, key=int)
         side_by_side(
@@ -1056,7 +1115,7 @@ def print_table(results: dict) -> None:
                 ("old idxsel free", "gather/old_index_select/free/{size}"),
                 ("new shipped free", "gather/new_gather/free/{size}"),
             ],
-            "item 1: gather of N random warm rows, median ms (N rows); 1 = one torch thread",
+            "gather of N random warm rows, median ms (N rows); 1 = one torch thread",
         )
     if any(key.startswith("gpu/") for key in summary):
         sizes = sorted({key.split("/")[3] for key in summary if key.startswith("gpu/")}, key=int)
@@ -1068,7 +1127,7 @@ def print_table(results: dict) -> None:
             summary,
             sizes,
             columns,
-            "item 5: stage() per step, one torch thread, wall ms / staging thread's CPU ms "
+            "GPU states: stage() per step, one torch thread, wall ms / staging thread's CPU ms "
             "(after_previous_step: minus the previous step's own time)",
             cpu=True,
         )

@@ -1,8 +1,9 @@
 """The Python modules the patch series add to vLLM, each kept once.
 
 Each file here is the one source of a module that patches create (a new-file hunk with the
-same file name: `ple_mmap.py` in ple_ssd 0001 of 0.29.0 and 0.33.0, `draft_vocab.py` in
-mtp_pruning 0001 of both). What differs between vLLM releases sits in the module's one
+same file name: `ple_mmap.py` and `ple_hash.py` in ple_ssd 0001 of 0.29.0 and 0.33.0,
+`ple_rows.py`, their row I/O, in ple_ssd 0001 of all three series, `draft_vocab.py` in mtp_pruning 0001 of each).
+What differs between vLLM releases sits in the module's one
 `# [release X.Y.Z]` ... `# [release end]` section; the file a series ships keeps the lines of
 its own release, or, for a release with no block of its own, the nearest older release's (so a
 new release whose modules need nothing new is added without an edit here: 0.34.0 takes 0.33.0's).

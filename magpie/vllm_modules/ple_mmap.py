@@ -1,5 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+# Over 800 lines: MmapNGramTable's loading, gathers, staging and staged-step
+# checks share its buffers and counters; its row I/O is in ple_rows.py and its
+# hashing in ple_hash.py.
 """Qwen4Exp n-gram (PLE/Engram) table served from the checkpoint's file mappings.
 
 With ``--hf-overrides '{"ple_mmap": true}'`` (vLLM 0.29) or ``--engram-config
@@ -61,24 +64,41 @@ it: a serving worker keeps its single thread for everything else (H200 host:
 microseconds). ``pool_min_rows`` (off by default) sends every gather of that
 many rows to the pool.
 
-This module imports only torch, numpy (a dependency of vLLM) and the standard
-library: it runs on its own on a CPU or a GPU, which is how it is tested.
+Its row I/O (page size, madvise, the process's file mappings, mincore
+residency, torch threads scoped to one call, DLPack views of mapped memory)
+comes from ``ple_rows``, shipped beside it, which the vLLM 0.34 gather uses
+too; ``NGramHasher`` comes from ``ple_hash``, also beside it. The three import
+only torch, numpy (a dependency of vLLM) and the standard library: they run on
+their own on a CPU or a GPU, which is how they are tested.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
-import os
-import resource
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import torch.utils.dlpack
 from torch import nn
+
+from .ple_hash import NGramHasher
+from .ple_rows import (
+    MADV_DONTNEED,
+    MADV_RANDOM,
+    PAGE_SIZE,
+    _page_range,
+    default_gather_threads,
+    default_index_select_threads,
+    file_mappings,
+    madvise,
+    madvise_range,
+    major_faults,
+    mapped_file,
+    tensor_at,
+    torch_threads_at_least,
+    unused_ranges,
+)
 
 # How this module names itself in its messages: the switch that turned it on
 # differs between the vLLM releases it ships for.
@@ -94,142 +114,9 @@ WITHOUT_IT = "use Engram offload_storage='pinned'"
 THREAD_PREFIX = "engram_mmap"
 # [release end]
 
-MADV_RANDOM = 1  # <sys/mman.h> on Linux
-MADV_DONTNEED = 4
-# The kernel's page size, read at run time: 4 KiB on most x86-64 kernels, 16 or
-# 64 KiB on some arm64 ones (GB10 kernels may use 64 KiB). Never assume 4 KiB.
-PAGE_SIZE = mmap.PAGESIZE
 # stage_dummy(): rows of a dummy batch (profiling, CUDA-graph warm-up and
 # capture), readable any number of times.
 DUMMY_EPOCH = -1
-_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
-_MASK64 = (1 << 64) - 1
-_SIGN64 = 1 << 63
-
-_libc_handle: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _libc_handle
-    if _libc_handle is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        libc.madvise.restype = ctypes.c_int
-        _libc_handle = libc
-    return _libc_handle
-
-
-def _page_range(tensor: torch.Tensor, page: int = PAGE_SIZE) -> tuple[int, int]:
-    """Page-aligned [start, end) of the bytes a tensor covers."""
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    start -= start % page
-    end += -end % page
-    return start, end
-
-
-def madvise_range(start: int, end: int, advice: int) -> None:
-    """madvise(2) over [start, end) (page-aligned)."""
-    if end <= start:
-        return
-    if _libc().madvise(start, end - start, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(
-            err, f"madvise({advice}) on {end - start} bytes failed: {os.strerror(err)}"
-        )
-
-
-def madvise(tensor: torch.Tensor, advice: int) -> None:
-    """Advise the kernel (madvise(2)) on the pages a tensor covers (shared edge
-    pages included)."""
-    madvise_range(*_page_range(tensor), advice)
-
-
-def file_mappings(paths: set[str]) -> list[tuple[int, int, str]]:
-    """(start, end, path) of this process's mappings of the given files."""
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) < 6:
-                continue
-            path = fields[5].strip().removesuffix(" (deleted)")
-            if path in paths:
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                found.append((low, high, path))
-    return found
-
-
-def unused_ranges(
-    mappings: list[tuple[int, int]], keep: list[tuple[int, int]]
-) -> list[tuple[int, int]]:
-    """The parts of ``mappings`` outside every ``keep`` range (both page-aligned)."""
-    keep = sorted(keep)
-    free = []
-    for low, high in sorted(mappings):
-        cursor = low
-        for start, end in keep:
-            if end <= cursor or start >= high:
-                continue
-            if start > cursor:
-                free.append((cursor, start))
-            cursor = max(cursor, end)
-        if cursor < high:
-            free.append((cursor, high))
-    return free
-
-
-def major_faults() -> int:
-    """Major page faults (reads that waited for the disk) of the calling thread."""
-    return resource.getrusage(_RUSAGE_THREAD).ru_majflt
-
-
-def default_gather_threads() -> int:
-    """Threads of the gather pool: the CPUs this process may run on, at most 16."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(16, cpus))
-
-
-def default_index_select_threads() -> int:
-    """The torch threads of one large warm gather: the CPUs we may use, at most 8."""
-    return min(8, default_gather_threads())
-
-
-def mapped_file(tensor: torch.Tensor) -> str | None:
-    """The file whose memory mapping holds all of the tensor's bytes, or None.
-
-    None means the bytes live in anonymous memory (a copy, a read into RAM, a
-    device), so serving from them would keep the whole table resident.
-    """
-    if tensor.device.type != "cpu" or tensor.numel() == 0:
-        return None
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    path = None
-    covered = start
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            low, high = (int(x, 16) for x in fields[0].split("-"))
-            if high <= covered or low > covered:
-                if low >= end:
-                    break
-                continue
-            name = fields[5].strip() if len(fields) == 6 else ""
-            if fields[4] == "0" or not name or name.startswith("["):
-                return None
-            name = name.removesuffix(" (deleted)")
-            if path is not None and name != path:
-                return None
-            path = name
-            covered = high
-            if covered >= end:
-                return path
-    return None
-
 
 # CUDA driver attributes (cuda.h, CUdevice_attribute; the runtime's
 # cudaDevAttr* enum has the same values).
@@ -274,286 +161,6 @@ def choose_lookup(device_type: str, uses_host_page_tables: int | None) -> str:
     if device_type == "cuda" and uses_host_page_tables == 1:
         return "direct"
     return "staged"
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-    ]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [
-        ("dl_tensor", _DLTensor),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-    ]
-
-
-_DL_CPU, _DL_CUDA = 1, 2
-_DL_WORDS = {1: (1, torch.uint8), 2: (0, torch.int16), 4: (0, torch.int32)}
-_DL_WORDS[8] = (0, torch.int64)
-# The structures of every view made (a view lives as long as the table).
-_DL_KEEP: list = []
-
-
-def tensor_at(
-    address: int, count: int, word: int, device: torch.device
-) -> torch.Tensor:
-    """A 1-D tensor of ``count`` ``word``-byte integers at ``address``, on
-    ``device``, owning nothing (DLPack, no deleter). On a CUDA device the
-    address is a host virtual address: only valid where the GPU reads pageable
-    host memory (``choose_lookup`` returns "direct")."""
-    code, dtype = _DL_WORDS[word]
-    shape = (ctypes.c_int64 * 1)(count)
-    managed = _DLManagedTensor()
-    managed.dl_tensor.data = address
-    managed.dl_tensor.device = _DLDevice(
-        _DL_CUDA if device.type == "cuda" else _DL_CPU,
-        (device.index or 0) if device.type == "cuda" else 0,
-    )
-    managed.dl_tensor.ndim = 1
-    managed.dl_tensor.dtype = _DLDataType(code, word * 8, 1)
-    managed.dl_tensor.shape = shape
-    managed.dl_tensor.strides = None
-    managed.dl_tensor.byte_offset = 0
-    _DL_KEEP.append((managed, shape))
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
-    tensor = torch.utils.dlpack.from_dlpack(capsule)
-    assert tensor.dtype == dtype and tensor.data_ptr() == address
-    return tensor
-
-
-def _wrap_int64(value: int) -> int:
-    """Python int -> the int64 two's-complement value torch would hold."""
-    value &= _MASK64
-    return value - (1 << 64) if value & _SIGN64 else value
-
-
-class NGramHasher:
-    """Host-side n-gram ids, bit-identical to ``compute_ngram_ids`` of the model.
-
-    Tokens of request ``r`` are ``input_ids[query_start_loc[r]:query_start_loc[r + 1]]``
-    (tokens past the last boundary belong to the last request, as on the device),
-    preceded by ``ngram_context[r]`` (its previous ``ngram_size - 1`` tokens, EOS
-    where there are none). An n-gram never reaches back across an EOS token.
-    """
-
-    # Steps up to this many tokens are mixed with Python ints in ids_numpy.
-    PYTHON_MIX_MAX_TOKENS = 32
-
-    def __init__(
-        self,
-        *,
-        multipliers: Sequence[int],
-        head_vocab_sizes: Sequence[int],
-        head_offsets: Sequence[int],
-        ngram_size: int,
-        heads_per_ngram: int,
-        eos_token_id: int,
-    ) -> None:
-        self.multipliers = [int(m) for m in multipliers]
-        self.head_vocab_sizes = [int(s) for s in head_vocab_sizes]
-        self.head_offsets = [int(o) for o in head_offsets]
-        self.ngram_size = int(ngram_size)
-        self.heads_per_ngram = int(heads_per_ngram)
-        self.eos_token_id = int(eos_token_id)
-        self.num_heads = (self.ngram_size - 1) * self.heads_per_ngram
-        if len(self.multipliers) != self.ngram_size:
-            raise ValueError(
-                f"need {self.ngram_size} multipliers, got {len(self.multipliers)}"
-            )
-        if (
-            len(self.head_vocab_sizes) != self.num_heads
-            or len(self.head_offsets) != self.num_heads
-        ):
-            raise ValueError(f"need {self.num_heads} head sizes and offsets")
-        self._tensors: dict[
-            torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-        ] = {}
-
-    def mixed_hashes(
-        self, input_ids: Sequence[int], query_start_loc: Sequence[int], ngram_context
-    ) -> list[int]:
-        """Per token, the mixed hash of each n-gram order (``ngram_size - 1`` ints).
-
-        Python ints: cheaper than a dozen tensor ops for a decode step's tokens.
-        """
-        context_len = self.ngram_size - 1
-        eos = self.eos_token_id
-        multipliers = self.multipliers
-        num_tokens = len(input_ids)
-        num_reqs = len(query_start_loc) - 1
-        hashes: list[int] = []
-        for req in range(num_reqs):
-            start = query_start_loc[req]
-            end = num_tokens if req == num_reqs - 1 else query_start_loc[req + 1]
-            if end <= start:
-                continue
-            seq = list(ngram_context[req][:context_len])
-            seq += input_ids[start:end]
-            for pos in range(context_len, len(seq)):
-                mixed = seq[pos] * multipliers[0]
-                shifted = seq[pos - 1]
-                for shift in range(1, self.ngram_size):
-                    if shift > 1 and shifted != eos:
-                        shifted = seq[pos - shift]
-                    mixed ^= shifted * multipliers[shift]
-                    if mixed >= _SIGN64 or mixed < -_SIGN64:
-                        mixed = _wrap_int64(mixed)
-                    hashes.append(mixed)
-        return hashes
-
-    def ids_host(
-        self, input_ids: Sequence[int], query_start_loc: Sequence[int], ngram_context
-    ) -> torch.Tensor:
-        """``[num_tokens, num_heads]`` int64 ids on the CPU from Python lists."""
-        _, sizes, offsets = self._head_tensors(torch.device("cpu"))
-        mixed = torch.tensor(
-            self.mixed_hashes(input_ids, query_start_loc, ngram_context),
-            dtype=torch.long,
-            device="cpu",
-        )
-        grouped = (self.ngram_size - 1, self.heads_per_ngram)
-        ids = torch.remainder(mixed.view(-1, grouped[0], 1), sizes.view(grouped))
-        return ids.add_(offsets.view(grouped)).view(-1, self.num_heads)
-
-    def ids_numpy(
-        self,
-        input_ids: np.ndarray,
-        query_start_loc: np.ndarray,
-        ngram_context: np.ndarray,
-    ) -> np.ndarray:
-        """``[num_tokens, num_heads]`` int64 ids from host arrays, vectorised.
-
-        The same arithmetic as ``ids_tensor`` (int64 products wrap, ``%`` of a
-        positive size is non-negative), in a few numpy calls: a decode step's
-        tokens cost microseconds instead of a dozen tensor dispatches.
-        """
-        if not hasattr(self, "_np_heads"):
-            grouped = (self.ngram_size - 1, self.heads_per_ngram)
-            self._np_multipliers = np.array(self.multipliers, dtype=np.int64)
-            self._np_heads = (
-                np.array(self.head_vocab_sizes, dtype=np.int64).reshape(grouped),
-                np.array(self.head_offsets, dtype=np.int64).reshape(grouped),
-            )
-        sizes, offsets = self._np_heads
-        context_len = self.ngram_size - 1
-        if input_ids.size <= self.PYTHON_MIX_MAX_TOKENS:
-            # A decode step: mixing a few Python ints beats two dozen numpy calls.
-            mixed = self.mixed_hashes(
-                input_ids.reshape(-1).tolist(),
-                query_start_loc.tolist(),
-                ngram_context.tolist(),
-            )
-            ids = np.array(mixed, dtype=np.int64).reshape(-1, context_len, 1) % sizes
-            ids += offsets
-            return ids.reshape(-1, self.num_heads)
-        multipliers = self._np_multipliers
-        tokens = input_ids.reshape(-1).astype(np.int64)
-        qsl = query_start_loc.astype(np.int64)
-        num_tokens, num_reqs = tokens.size, qsl.size - 1
-        positions = np.arange(num_tokens)
-        requests = np.searchsorted(qsl, positions, side="right") - 1
-        np.clip(requests, 0, num_reqs - 1, out=requests)
-        # Each request's context directly precedes its tokens in one flat sequence.
-        token_slots = positions + (requests + 1) * context_len
-        sequence = np.empty(num_tokens + num_reqs * context_len, dtype=np.int64)
-        context_slots = (qsl[:num_reqs] + np.arange(num_reqs) * context_len)[:, None]
-        sequence[context_slots + np.arange(context_len)] = ngram_context[
-            :num_reqs, :context_len
-        ]
-        sequence[token_slots] = tokens
-        mixed = tokens * multipliers[0]
-        shifted = sequence[token_slots - 1]
-        ids = np.empty((num_tokens, context_len, self.heads_per_ngram), dtype=np.int64)
-        for shift in range(1, self.ngram_size):
-            if shift > 1:
-                shifted = np.where(
-                    shifted == self.eos_token_id, shifted, sequence[token_slots - shift]
-                )
-            mixed ^= shifted * multipliers[shift]
-            np.remainder(mixed[:, None], sizes[shift - 1], out=ids[:, shift - 1])
-        ids += offsets
-        return ids.reshape(num_tokens, self.num_heads)
-
-    def _head_tensors(
-        self, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if device not in self._tensors:
-            self._tensors[device] = (
-                torch.tensor(self.multipliers, dtype=torch.long, device=device),
-                torch.tensor(self.head_vocab_sizes, dtype=torch.long, device=device),
-                torch.tensor(self.head_offsets, dtype=torch.long, device=device),
-            )
-        return self._tensors[device]
-
-    def ids_tensor(
-        self,
-        input_ids: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        ngram_context: torch.Tensor,
-    ) -> torch.Tensor:
-        """``[num_tokens, num_heads]`` int64 ids, computed on the inputs' device."""
-        device = input_ids.device
-        multipliers, sizes, offsets = self._head_tensors(device)
-        context_len = self.ngram_size - 1
-        tokens = input_ids.reshape(-1).long()
-        qsl = query_start_loc.to(device=device, dtype=torch.long)
-        num_tokens, num_reqs = tokens.numel(), qsl.numel() - 1
-        positions = torch.arange(num_tokens, device=device)
-        requests = (torch.searchsorted(qsl, positions, right=True) - 1).clamp_(
-            0, num_reqs - 1
-        )
-        # Each request's context directly precedes its tokens in one flat sequence.
-        token_slots = positions + (requests + 1) * context_len
-        context_slots = (
-            qsl[:num_reqs] + torch.arange(num_reqs, device=device) * context_len
-        ).unsqueeze(1) + torch.arange(context_len, device=device)
-        sequence = torch.empty(
-            num_tokens + num_reqs * context_len, dtype=torch.long, device=device
-        )
-        sequence[context_slots] = ngram_context[:num_reqs, :context_len].to(
-            device=device, dtype=torch.long
-        )
-        sequence[token_slots] = tokens
-        mixed = tokens * multipliers[0]
-        shifted = sequence[token_slots - 1]
-        blocks = []
-        for shift in range(1, self.ngram_size):
-            if shift > 1:
-                shifted = torch.where(
-                    shifted == self.eos_token_id, shifted, sequence[token_slots - shift]
-                )
-            mixed = torch.bitwise_xor(mixed, shifted * multipliers[shift])
-            heads = slice(
-                (shift - 1) * self.heads_per_ngram, shift * self.heads_per_ngram
-            )
-            blocks.append(
-                torch.remainder(mixed.unsqueeze(-1), sizes[heads]) + offsets[heads]
-            )
-        return torch.cat(blocks, dim=-1)
 
 
 class MmapNGramTable(nn.Module):
@@ -616,6 +223,41 @@ class MmapNGramTable(nn.Module):
         # steps up to host_hash_max_tokens tokens are hashed on the host.
         self.direct_copy_max_rows = int(direct_copy_max_rows)
         self.host_hash_max_tokens = int(host_hash_max_tokens)
+        self._init_gather_settings(
+            num_threads,
+            rows_per_task,
+            pool_min_rows,
+            index_select_min_rows,
+            index_select_threads,
+        )
+        self.stats = {
+            "gathers": 0,
+            "pool_gathers": 0,
+            "disk_waits": 0,
+            "index_selects": 0,
+        }
+        self.required_shards = [
+            index
+            for index in range(self.num_shards)
+            if self.shard_rows(index) > 0
+            and index * self.shard_size < self.row_end
+            and (index + 1) * self.shard_size > self.row_start
+        ]
+        self.shards: dict[int, torch.Tensor] = {}
+        self.files: dict[int, str] = {}
+        self.released_bytes = 0
+        self.ready = False
+        self._init_device_buffers(static_output)
+        self._init_host_buffers(blocking_wait)
+
+    def _init_gather_settings(
+        self,
+        num_threads: int | None,
+        rows_per_task: int,
+        pool_min_rows: int | None,
+        index_select_min_rows: int,
+        index_select_threads: int | None,
+    ) -> None:
         # After a disk wait a gather is split over num_threads threads (numpy
         # indexing, GIL released), whatever torch's thread count; each indexing
         # call copies at most rows_per_task rows (its scratch stays small enough
@@ -636,24 +278,8 @@ class MmapNGramTable(nn.Module):
             if index_select_threads is None
             else int(index_select_threads),
         )
-        self.stats = {
-            "gathers": 0,
-            "pool_gathers": 0,
-            "disk_waits": 0,
-            "index_selects": 0,
-        }
-        self.required_shards = [
-            index
-            for index in range(self.num_shards)
-            if self.shard_rows(index) > 0
-            and index * self.shard_size < self.row_end
-            and (index + 1) * self.shard_size > self.row_start
-        ]
-        self.shards: dict[int, torch.Tensor] = {}
-        self.files: dict[int, str] = {}
-        self.released_bytes = 0
-        self.ready = False
 
+    def _init_device_buffers(self, static_output: bool) -> None:
         # Device side (created on the current default device, like the stock
         # table): unique rows of a large step and, with ``static_output``, the
         # buffer a CUDA-graph-captured forward reads.
@@ -681,6 +307,7 @@ class MmapNGramTable(nn.Module):
         self.device = self.device_rows.device
         self.on_cuda = self.device.type == "cuda"
 
+    def _init_host_buffers(self, blocking_wait: bool) -> None:
         # Host side: pinned where CUDA exists, so uploads are asynchronous.
         self.pin = torch.cuda.is_available()
         self.host_rows = torch.empty(
@@ -960,15 +587,8 @@ class MmapNGramTable(nn.Module):
         """Rows [start, end) by one torch.index_select into ``out``'s bytes."""
         dest = out[start:end].view(np.uint8).reshape(end - start, self.row_bytes)
         index = torch.from_numpy(np.ascontiguousarray(offsets[start:end]))
-        before = torch.get_num_threads()
-        raised = self.index_select_threads > before
-        if raised:
-            torch.set_num_threads(self.index_select_threads)
-        try:
+        with torch_threads_at_least(self.index_select_threads):
             torch.index_select(self.rows_at, 0, index, out=torch.from_numpy(dest))
-        finally:
-            if raised:
-                torch.set_num_threads(before)
 
     def _copy_rows(self, offsets: np.ndarray, start: int, end: int, out) -> None:
         step = self.rows_per_task

@@ -2,6 +2,13 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Gather n-gram table rows from the checkpoint files through file mappings.
 
+The row I/O of every ple_ssd series: page size and madvise, the process's file
+mappings (which file holds a tensor, the pages of a file's other tensors to
+release), major-fault counts, mincore residency, torch threads raised for one
+call, and DLPack views of mapped memory, used by ``ple_mmap`` (vLLM 0.29 and
+0.33, shipped beside it); and ``RowGather``, the gather of vLLM 0.34's
+Engram disk_offload_gather.
+
 Engram disk_offload_gather (magpie-vllm-plugins ple_ssd): each shard of a
 table plane (the rows, or NVFP4's block scales) is mapped read-only where the
 checkpoint stores it, and a step's rows are copied by one `torch.index_select`
@@ -11,34 +18,267 @@ When the pages of the step's rows are not resident (a `mincore` sample
 decides), every read the step needs is queued before the gather (per page
 run: `posix_fadvise(WILLNEED)`, or `MADV_POPULATE_READ` spread over threads),
 so the gather's page faults wait on reads already in flight instead of
-issuing them one at a time. Standalone: no vLLM import.
+issuing them one at a time. A small step (up to 64 rows: a decode step) is
+checked and sampled on Python ints (4 rows sampled) and copied by one memmove
+per row, whose fixed cost is lower than a dozen tensor ops. Standalone: no
+vLLM import.
 """
 
 import contextlib
 import ctypes
 import mmap
 import os
+import resource
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.utils.dlpack
 
 # Plane dtypes served as stored: BF16 rows, FP8 rows, NVFP4 packed E2M1 bytes
 # (uint8) with their FP8 block-scale plane.
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)
 PREFETCH_MODES = ("fadvise", "populate")
 
-_PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux 5.14
 # Rows sampled with mincore to tell a warm step from a cold one.
 _SAMPLE_ROWS = 16
+# Up to this many rows (a decode step) the bookkeeping runs on Python ints and
+# each row is one memmove: a dozen tensor ops cost more than the copy itself.
+_SMALL_STEP_ROWS = 64
+# Rows sampled in such a step: one mincore call costs ~2 us on a 2-CPU VM, as
+# much as copying a few rows, and a table evicted in whole shows in any row.
+_SMALL_SAMPLE_ROWS = 4
 # From this many bytes (512 rows of 320 B) a step's gather runs on several torch
 # threads: on an H200 host they paid from 512 rows on (docs/ple_ssd.md).
 _PARALLEL_BYTES = 160 << 10
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+_mincore = _libc.mincore
+_memmove = ctypes.memmove
+
+MADV_RANDOM = 1  # <sys/mman.h> on Linux
+MADV_DONTNEED = 4
+# The kernel's page size, read at run time: 4 KiB on most x86-64 kernels, 16 or
+# 64 KiB on some arm64 ones (GB10 kernels may use 64 KiB). Never assume 4 KiB.
+PAGE_SIZE = mmap.PAGESIZE
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def _page_range(tensor: torch.Tensor, page: int = PAGE_SIZE) -> tuple[int, int]:
+    """Page-aligned [start, end) of the bytes a tensor covers."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    start -= start % page
+    end += -end % page
+    return start, end
+
+
+def madvise_range(start: int, end: int, advice: int) -> None:
+    """madvise(2) over [start, end) (page-aligned)."""
+    if end <= start:
+        return
+    if _libc.madvise(start, end - start, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(
+            err, f"madvise({advice}) on {end - start} bytes failed: {os.strerror(err)}"
+        )
+
+
+def madvise(tensor: torch.Tensor, advice: int) -> None:
+    """Advise the kernel (madvise(2)) on the pages a tensor covers (shared edge
+    pages included)."""
+    madvise_range(*_page_range(tensor), advice)
+
+
+def file_mappings(paths: set[str]) -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's mappings of the given files."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6:
+                continue
+            path = fields[5].strip().removesuffix(" (deleted)")
+            if path in paths:
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                found.append((low, high, path))
+    return found
+
+
+def unused_ranges(
+    mappings: list[tuple[int, int]], keep: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """The parts of ``mappings`` outside every ``keep`` range (both page-aligned)."""
+    keep = sorted(keep)
+    free = []
+    for low, high in sorted(mappings):
+        cursor = low
+        for start, end in keep:
+            if end <= cursor or start >= high:
+                continue
+            if start > cursor:
+                free.append((cursor, start))
+            cursor = max(cursor, end)
+        if cursor < high:
+            free.append((cursor, high))
+    return free
+
+
+def major_faults() -> int:
+    """Major page faults (reads that waited for the disk) of the calling thread."""
+    return resource.getrusage(_RUSAGE_THREAD).ru_majflt
+
+
+def default_gather_threads() -> int:
+    """Threads of the gather pool: the CPUs this process may run on, at most 16."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus))
+
+
+def default_index_select_threads() -> int:
+    """The torch threads of one large warm gather: the CPUs we may use, at most 8."""
+    return min(8, default_gather_threads())
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose memory mapping holds all of the tensor's bytes, or None.
+
+    None means the bytes live in anonymous memory (a copy, a read into RAM, a
+    device), so serving from them would keep the whole table resident.
+    """
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    path = None
+    covered = start
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if high <= covered or low > covered:
+                if low >= end:
+                    break
+                continue
+            name = fields[5].strip() if len(fields) == 6 else ""
+            if fields[4] == "0" or not name or name.startswith("["):
+                return None
+            name = name.removesuffix(" (deleted)")
+            if path is not None and name != path:
+                return None
+            path = name
+            covered = high
+            if covered >= end:
+                return path
+    return None
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+    ]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
+
+
+_DL_CPU, _DL_CUDA = 1, 2
+_DL_WORDS = {1: (1, torch.uint8), 2: (0, torch.int16), 4: (0, torch.int32)}
+_DL_WORDS[8] = (0, torch.int64)
+# The structures of every view made (a view lives as long as the table).
+_DL_KEEP: list = []
+
+
+def tensor_at(
+    address: int, count: int, word: int, device: torch.device
+) -> torch.Tensor:
+    """A 1-D tensor of ``count`` ``word``-byte integers at ``address``, on
+    ``device``, owning nothing (DLPack, no deleter). On a CUDA device the
+    address is a host virtual address: only valid where the GPU reads pageable
+    host memory (``choose_lookup`` returns "direct")."""
+    code, dtype = _DL_WORDS[word]
+    shape = (ctypes.c_int64 * 1)(count)
+    managed = _DLManagedTensor()
+    managed.dl_tensor.data = address
+    managed.dl_tensor.device = _DLDevice(
+        _DL_CUDA if device.type == "cuda" else _DL_CPU,
+        (device.index or 0) if device.type == "cuda" else 0,
+    )
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = _DLDataType(code, word * 8, 1)
+    managed.dl_tensor.shape = shape
+    managed.dl_tensor.strides = None
+    managed.dl_tensor.byte_offset = 0
+    _DL_KEEP.append((managed, shape))
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    tensor = torch.utils.dlpack.from_dlpack(capsule)
+    assert tensor.dtype == dtype and tensor.data_ptr() == address
+    return tensor
+
+
+@contextlib.contextmanager
+def torch_threads_at_least(threads: int):
+    """Raise torch's intra-op thread count to ``threads`` for the block only (a
+    serving worker keeps one thread for everything else); never lowered."""
+    before = torch.get_num_threads()
+    raised = threads > before
+    if raised:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if raised:
+            torch.set_num_threads(before)
+
+
+def page_resident(address: int, vec=None) -> bool:
+    """Whether the page holding ``address`` (in a mapping) is in the page cache."""
+    vec = (ctypes.c_ubyte * 1)() if vec is None else vec
+    if _mincore(address - address % PAGE_SIZE, PAGE_SIZE, vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore at {address:#x}: {os.strerror(err)}")
+    return bool(vec[0] & 1)
+
+
+def resident_fraction(addresses) -> float:
+    """The fraction of the pages holding these mapped addresses that are resident."""
+    vec = (ctypes.c_ubyte * 1)()
+    addresses = list(addresses)
+    hits = sum(page_resident(address, vec) for address in addresses)
+    return hits / max(1, len(addresses))
 
 
 def check_plane_dtype(name: str, dtype: torch.dtype) -> None:
@@ -63,7 +303,7 @@ class MappedShard:
                 f"PLE shard file {path} is truncated: {nbytes} bytes expected "
                 f"at offset {offset}"
             )
-        self._vec = ctypes.create_string_buffer(1)
+        self._vec = (ctypes.c_ubyte * 1)()
         self.fd = os.open(path, os.O_RDONLY)
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
         self.delta = offset - base
@@ -87,21 +327,21 @@ class MappedShard:
 
     def resident(self, local: torch.Tensor) -> bool:
         """Whether the first page of each of these rows is in the page cache."""
+        first = self.address + self.delta
+        rows = local.tolist()
+        return self.resident_at([first + row * self.row_bytes for row in rows])
+
+    def resident_at(self, addresses: list[int]) -> bool:
+        """Whether the pages holding these addresses (in the mapping) are resident."""
         vec = self._vec
-        for row in local.tolist():
-            page = (self.delta + row * self.row_bytes) // _PAGE * _PAGE
-            if _libc.mincore(self.address + page, _PAGE, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore on {self.path}")
-            if not vec.raw[0] & 1:
-                return False
-        return True
+        return all(page_resident(address, vec) for address in addresses)
 
     def page_runs(self, local: torch.Tensor) -> list[tuple[int, int]]:
         """(first page, page count) of each run of pages holding sorted rows,
         counted from the start of the mapping."""
         start = self.delta + local * self.row_bytes
-        first = start // _PAGE
-        last = (start + self.row_bytes - 1) // _PAGE
+        first = start // PAGE_SIZE
+        last = (start + self.row_bytes - 1) // PAGE_SIZE
         new = torch.ones_like(first, dtype=torch.bool)
         new[1:] = first[1:] > last[:-1] + 1
         ends = torch.cat([new[1:], new.new_ones(1)])
@@ -139,6 +379,9 @@ class RowGather:
             for _, (path, offset, rows) in sorted(shards.items())
         ]
         self._rows_per_shard = torch.tensor([m.num_rows for m in self.shards])
+        # Per shard, precomputed for small steps: its rows and row 0's address.
+        self._num_rows = [m.num_rows for m in self.shards]
+        self._row0 = [m.address + m.delta for m in self.shards]
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.last_cold = False
@@ -189,7 +432,10 @@ class RowGather:
                 f"out must be uint8 {(local.numel(), self.row_bytes)}, got "
                 f"{out.dtype} {tuple(out.shape)}"
             )
-        if local.numel() and bool((local >= self._rows_per_shard[shard]).any()):
+        if local.numel() <= _SMALL_STEP_ROWS and out.is_contiguous():
+            self._read_small(shard, local, out)
+            return
+        if bool((local >= self._rows_per_shard[shard]).any()):
             raise IndexError(
                 f"PLE row out of range for the shards' rows "
                 f"{self._rows_per_shard.tolist()}"
@@ -199,6 +445,40 @@ class RowGather:
         if self.last_cold:
             self._queue_reads(spans, local)
         self._gather(spans, local, out)
+
+    def _read_small(
+        self, shard: torch.Tensor, local: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """A small step on Python ints: the same checks, sample and bytes as the
+        tensor path, one memmove per row (ctypes releases the GIL for it)."""
+        shards, rows = shard.tolist(), local.tolist()
+        num_rows, row0, row_bytes = self._num_rows, self._row0, self.row_bytes
+        addresses = []
+        seen = []
+        for s, row in zip(shards, rows):
+            if not seen or seen[-1] != s:
+                if s in seen:
+                    raise ValueError("PLE row ids must be sorted by shard")
+                seen.append(s)
+            if not 0 <= s < len(num_rows) or not 0 <= row < num_rows[s]:
+                raise IndexError(
+                    f"PLE row out of range for the shards' rows {num_rows}"
+                )
+            addresses.append(row0[s] + row * row_bytes)
+        # At most _SMALL_SAMPLE_ROWS rows, spread over the step.
+        step = max(1, -(-len(rows) // _SMALL_SAMPLE_ROWS))
+        cold = False
+        for pick in range(0, len(rows), step):
+            if not self.shards[shards[pick]].resident_at([addresses[pick]]):
+                cold = True
+                break
+        self.last_cold = cold
+        if cold:
+            self._queue_reads(self._spans(shard), local)
+        dest, move = out.data_ptr(), _memmove
+        for address in addresses:
+            move(dest, address, row_bytes)
+            dest += row_bytes
 
     def _sample_resident(self, spans, local):
         total = local.numel()
@@ -217,16 +497,16 @@ class RowGather:
             for mapped, first, count in runs:
                 os.posix_fadvise(
                     mapped.fd,
-                    mapped.file_base + first * _PAGE,
-                    count * _PAGE,
+                    mapped.file_base + first * PAGE_SIZE,
+                    count * PAGE_SIZE,
                     os.POSIX_FADV_WILLNEED,
                 )
             return
 
         def populate(part):
             for mapped, first, count in part:
-                address = mapped.address + first * _PAGE
-                if _libc.madvise(address, count * _PAGE, _MADV_POPULATE_READ):
+                address = mapped.address + first * PAGE_SIZE
+                if _libc.madvise(address, count * PAGE_SIZE, _MADV_POPULATE_READ):
                     errno = ctypes.get_errno()
                     raise OSError(errno, f"MADV_POPULATE_READ on {mapped.path}")
 
@@ -236,16 +516,9 @@ class RowGather:
     def _gather(self, spans, local, out) -> None:
         # One index_select per shard; a large step runs it with torch's thread count
         # raised for this call only (the server keeps one thread for the rest).
-        previous = torch.get_num_threads()
         large = local.numel() * self.row_bytes >= _PARALLEL_BYTES
-        threads = max(previous, self.threads) if large else previous
-        if threads != previous:
-            torch.set_num_threads(threads)
-        try:
+        with torch_threads_at_least(self.threads if large else 1):
             for s, begin, end in spans:
                 torch.index_select(
                     self.shards[s].rows, 0, local[begin:end], out=out[begin:end]
                 )
-        finally:
-            if threads != previous:
-                torch.set_num_threads(previous)

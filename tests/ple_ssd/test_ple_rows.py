@@ -98,12 +98,13 @@ PLANES = {
 
 @pytest.mark.parametrize("kind", list(PLANES))
 @pytest.mark.parametrize("cold,prefetch", [(False, "fadvise"), (True, "fadvise"), (True, "populate")])
-def test_rows_identical_to_file(tmp_path, kind, cold, prefetch):
+@pytest.mark.parametrize("count", [16, 64, 4096])  # a decode step (the Python-int path) and a chunk
+def test_rows_identical_to_file(tmp_path, kind, cold, prefetch, count):
     rows = SHARDS * SHARD_ROWS - 1000
     tables, paths, shards = _write_table(tmp_path, PLANES[kind], rows)
     gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, rows, (4096,), generator=gen).unique()  # sorted, as stage_rows passes
-    ids = torch.cat([ids, torch.tensor([0, rows - 1])]).unique()
+    ids = torch.randperm(rows, generator=gen)[: count - 2]
+    ids = torch.cat([ids, torch.tensor([0, rows - 1])]).unique()  # sorted, as stage_rows passes
     shard, local = ids // SHARD_ROWS, ids % SHARD_ROWS
     for plane, table in tables.items():
         ple_rows.check_plane_dtype(plane, table.dtype)
@@ -129,10 +130,16 @@ def test_refusals(tmp_path):
     tables, paths, shards = _write_table(tmp_path, PLANES["bf16"], SHARDS * SHARD_ROWS)
     gather = ple_rows.RowGather(shards["weight"], 320, SHARD_ROWS)
     try:
-        with pytest.raises(IndexError, match="out of range"):
-            gather.read_rows(torch.tensor([1]), torch.tensor([SHARD_ROWS]), torch.empty(1, 320, dtype=torch.uint8))
-        with pytest.raises(ValueError, match="sorted by shard"):
-            gather.read_rows(torch.tensor([0, 1, 0]), torch.tensor([1, 1, 2]), torch.empty(3, 320, dtype=torch.uint8))
+        for n in (3, 600):  # the small-step path and the tensor path refuse alike
+            shard = torch.arange(n) * SHARDS // n
+            local = torch.arange(n) % SHARD_ROWS
+            local[-1] = SHARD_ROWS
+            with pytest.raises(IndexError, match="out of range"):
+                gather.read_rows(shard, local, torch.empty(n, 320, dtype=torch.uint8))
+            shard[-1] = 0
+            local[-1] = 2
+            with pytest.raises(ValueError, match="sorted by shard"):
+                gather.read_rows(shard, local, torch.empty(n, 320, dtype=torch.uint8))
     finally:
         gather.close()
     truncated = dict(shards["weight"])
