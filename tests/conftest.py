@@ -13,31 +13,27 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
+from magpie import releases  # noqa: E402
 from magpie.demo.overlay import installed_vllm_dir, make_overlay, vllm_env  # noqa: E402
 from magpie.demo.tiny_models import build_tiny_qwen35, train_tokenizer  # noqa: E402
 from magpie.serving.process import VllmServer  # noqa: E402
+from tests.releases import sdist_tree  # noqa: E402
 
-SDIST_DIR = REPO / ".cache" / "sdist"
-VLLM_VERSION = "0.29.0"
-
-
-def _sdist(version: str) -> Path:
-    tree = SDIST_DIR / f"vllm-{version}"
-    if not (tree / "vllm" / "__init__.py").exists():
-        pytest.fail(f"{tree} is missing: run tests/env/setup.sh (tests/run.sh does)")
-    return tree
+# The release the test venv's vLLM is and the flake's default: the release table's default row.
+VLLM_VERSION = releases.default()
 
 
 @pytest.fixture(scope="session")
 def sdist_root() -> Path:
-    """The pristine vLLM 0.29.0 source tree (read-only: copy it before changing anything)."""
-    return _sdist(VLLM_VERSION)
+    """The pristine source tree of the table's default release (read-only: copy it before
+    changing anything)."""
+    return sdist_tree(VLLM_VERSION)
 
 
 @pytest.fixture(scope="session")
 def sdist_028_root() -> Path:
     """The pristine vLLM 0.28.0 source tree: the "wrong version" for conflict tests."""
-    return _sdist("0.28.0")
+    return sdist_tree("0.28.0")
 
 
 @pytest.fixture(scope="session")

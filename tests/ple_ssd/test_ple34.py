@@ -33,10 +33,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.releases import sdist_tree
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 TOOL = REPO / "magpie" / "patches.py"
-SDIST = REPO / ".cache" / "sdist" / "vllm-0.34.0"
 PATCH = REPO / "patches" / "vllm-0.34.0" / "ple_ssd" / "0001-disk-offload-gather.patch"
 TABLE_PREFIX = "model.layers.1.ple.ple_embedding."
 SHARDS, FILES = 16, 4
@@ -283,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # --------------------------------------------------------------------------- the tests
 def _sdist() -> Path:
-    if not (SDIST / "vllm" / "__init__.py").exists():
-        pytest.fail(f"{SDIST} is missing: run tests/env/setup.sh (tests/run.sh does)")
-    return SDIST
+    return sdist_tree("0.34.0")
 
 
 def _overlay(dest: Path, patched: bool) -> Path:
