@@ -358,6 +358,7 @@ def test_shipped_gather_module_is_the_source():
     assert 'Activation: --engram-config \'{"disk_offload": true, "disk_offload_gather": true}\'' in text
 
 
+@pytest.mark.slow
 def test_config_refusals_and_inert_default(trees, tmp_path):
     patched = _child(trees["patched"], "config", tmp_path)
     stock = _child(trees["stock"], "config", tmp_path)
@@ -386,6 +387,7 @@ def _proof_logs() -> dict[str, str]:
     )
 
 
+@pytest.mark.slow
 def test_proof_log_lines_match_what_the_patched_vllm_prints(trees, tmp_path):
     logs = _proof_logs()
     assert set(logs) == {"ple_hook", "ple_active", "ple_staging"}
@@ -405,12 +407,14 @@ def test_proof_log_lines_match_what_the_patched_vllm_prints(trees, tmp_path):
     assert re.search(logs["ple_staging"], staging).group("n") == "2"
 
 
+@pytest.mark.slow
 def test_unsupported_dtype_is_refused_when_built(trees, tmp_path):
     result = _child(trees["patched"], "dtype", tmp_path)
     assert result["error"] and "disk_offload_gather serves BF16, FP8 and NVFP4" in result["error"]
     assert "torch.float16" in result["error"] and "disk_offload_gather=false" in result["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "nvfp4"])
 def test_gathered_rows_equal_the_resident_table_warm_and_cold(trees, tmp_path, kind):
     result = _child(trees["patched"], "rows", tmp_path, "--kind", kind)
