@@ -378,9 +378,25 @@ def cmd_ats(args) -> dict:
     }
 
 
+def cmd_builds(args) -> dict:
+    """Several checkpoints, DIR/<name> per entry of --specs, in one process (one vLLM import)."""
+    made = {}
+    for name, spec in json.loads(args.specs).items():
+        made[name] = build(
+            Path(args.dir) / name,
+            spec.get("base", 4000),
+            spec.get("fp8", False),
+            spec.get("nvfp4", False),
+            spec.get("filler", 0),
+            spec.get("drop"),
+        )
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenario", choices=["build", "forward", "memory", "config", "build_error", "ats"])
+    scenarios = ["build", "builds", "forward", "memory", "config", "build_error", "ats"]
+    parser.add_argument("scenario", choices=scenarios)
     parser.add_argument("dir")
     parser.add_argument("out")
     parser.add_argument("--base", type=int, default=4000, help="ngram_vocab_size_base (build)")
@@ -392,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookup", choices=["none", "staged", "direct"], default="none")
     parser.add_argument("--engram", default="{}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--specs", default="{}", help="builds: {name: build's options} for DIR/<name>")
     args = parser.parse_args(argv)
     if args.scenario == "build":
         result = build(Path(args.dir), args.base, args.fp8, args.nvfp4, args.filler, args.drop)
@@ -449,17 +466,15 @@ def trees(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def checkpoints(trees, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ple-033-ckpt")
-    made = {}
-    for name, options in {
-        "bf16": [],
-        "fp8": ["--fp8"],
-        "nvfp4": ["--nvfp4"],
-        "filler": ["--base", "20000", "--filler", "65536"],
-        "missing_shard": ["--drop", "5"],
-    }.items():
-        child(trees["stock"], "build", str(root / name), str(root / f"{name}.json"), *options)
-        made[name] = root / name
-    return made
+    specs = {
+        "bf16": {},
+        "fp8": {"fp8": True},
+        "nvfp4": {"nvfp4": True},
+        "filler": {"base": 20000, "filler": 65536},
+        "missing_shard": {"drop": 5},
+    }
+    child(trees["stock"], "builds", str(root), str(root / "builds.json"), "--specs", json.dumps(specs))
+    return {name: root / name for name in specs}
 
 
 @pytest.fixture(scope="module")
