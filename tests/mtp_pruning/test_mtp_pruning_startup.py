@@ -85,27 +85,24 @@ def test_valid_keep_set_passes_config_and_turns_on_local_argmax(config_outcomes)
 
 
 # The class vLLM's registry resolves Qwen4ExpMTP to on ROCm: vllm.models.qwen4_exp's __getattr__
-# imports it from amd/mtp.py there (nvidia/mtp.py elsewhere). The probe builds the config as `vllm
-# serve` does, first as this platform resolves the architecture, then with that real ROCm class
-# registered for it, as the dispatch would on ROCm: both cases in one process (one vLLM import), in
-# that order, since a registration is not undone.
+# imports it from amd/mtp.py there (nvidia/mtp.py elsewhere). The probe registers that real class for
+# the architecture, as the dispatch would on ROCm, then builds the config as `vllm serve` does.
 PLATFORM_PROBE = """
 import json, sys
-from vllm import ModelRegistry
 from vllm.engine.arg_utils import EngineArgs
-model, keep, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-for name, register in cases.items():
-    if register:
-        ModelRegistry.register_model("Qwen4ExpMTP", register)
-    try:
-        config = EngineArgs(
-            model=model, max_model_len=256, enforce_eager=True, enable_prefix_caching=False,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1, "draft_vocab_path": keep},
-        ).create_engine_config()
-        result = {"ok": True, "architectures": config.speculative_config.draft_model_config.architectures}
-    except Exception as e:
-        result = {"ok": False, "error": str(e)}
-    print("RESULT " + json.dumps({name: result}), flush=True)
+model, keep, register = sys.argv[1], sys.argv[2], sys.argv[3]
+if register:
+    from vllm import ModelRegistry
+    ModelRegistry.register_model("Qwen4ExpMTP", register)
+try:
+    config = EngineArgs(
+        model=model, max_model_len=256, enforce_eager=True, enable_prefix_caching=False,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1, "draft_vocab_path": keep},
+    ).create_engine_config()
+    result = {"ok": True, "architectures": config.speculative_config.draft_model_config.architectures}
+except Exception as e:
+    result = {"ok": False, "error": str(e)}
+print("RESULT " + json.dumps(result), flush=True)
 """
 ROCM_QWEN4_EXP_MTP = "vllm.models.qwen4_exp.amd.mtp:Qwen4ExpMTP"
 
@@ -117,19 +114,18 @@ def platform_outcomes(tmp_path_factory, tokenizer_dir, pruning_overlay):
     folder = tmp_path_factory.mktemp("qwen4-exp-platform")
     model, _ = qwen4_exp_dir(folder / "model", Path(tokenizer_dir), tied=False)
     np.save(folder / "keep.npy", np.arange(0, 4096, 7, dtype=np.int64))
-    cases = {"this_platform": "", "rocm_class": ROCM_QWEN4_EXP_MTP}
-    proc = subprocess.run(
-        [sys.executable, "-c", PLATFORM_PROBE, str(model), str(folder / "keep.npy"), json.dumps(cases)],
-        env=vllm_env(pruning_overlay),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
     outcomes = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            outcomes.update(json.loads(line[len("RESULT ") :]))
-    assert list(outcomes) == list(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name, register in (("this_platform", ""), ("rocm_class", ROCM_QWEN4_EXP_MTP)):
+        proc = subprocess.run(
+            [sys.executable, "-c", PLATFORM_PROBE, str(model), str(folder / "keep.npy"), register],
+            env=vllm_env(pruning_overlay),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outcomes[name] = json.loads(lines[-1][len("RESULT ") :])
     return outcomes
 
 
