@@ -379,7 +379,8 @@ def cmd_ats(args) -> dict:
 
 
 def cmd_builds(args) -> dict:
-    """Several checkpoints, DIR/<name> per entry of --specs, in one process (one vLLM import)."""
+    """Several checkpoints, DIR/<name> per entry of --specs (build's result in DIR/<name>.json),
+    in one process (one vLLM import)."""
     made = {}
     for name, spec in json.loads(args.specs).items():
         made[name] = build(
@@ -390,6 +391,7 @@ def cmd_builds(args) -> dict:
             spec.get("filler", 0),
             spec.get("drop"),
         )
+        (Path(args.dir) / f"{name}.json").write_text(json.dumps(made[name], indent=1))
     return made
 
 
