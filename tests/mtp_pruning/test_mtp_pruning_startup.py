@@ -129,10 +129,12 @@ def platform_outcomes(tmp_path_factory, tokenizer_dir, pruning_overlay):
     return outcomes
 
 
+@pytest.mark.slow
 def test_qwen4_exp_draft_on_this_platform_passes_config(platform_outcomes):
     assert platform_outcomes["this_platform"] == {"ok": True, "architectures": ["Qwen4ExpMTP"]}
 
 
+@pytest.mark.slow
 def test_qwen4_exp_draft_class_without_hook_is_refused_at_config(platform_outcomes):
     outcome = platform_outcomes["rocm_class"]
     assert not outcome["ok"]

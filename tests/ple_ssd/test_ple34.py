@@ -33,10 +33,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.releases import sdist_tree
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 TOOL = REPO / "magpie" / "patches.py"
-SDIST = REPO / ".cache" / "sdist" / "vllm-0.34.0"
 PATCH = REPO / "patches" / "vllm-0.34.0" / "ple_ssd" / "0001-disk-offload-gather.patch"
 TABLE_PREFIX = "model.layers.1.ple.ple_embedding."
 SHARDS, FILES = 16, 4
@@ -283,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # --------------------------------------------------------------------------- the tests
 def _sdist() -> Path:
-    if not (SDIST / "vllm" / "__init__.py").exists():
-        pytest.fail(f"{SDIST} is missing: run tests/env/setup.sh (tests/run.sh does)")
-    return SDIST
+    return sdist_tree("0.34.0")
 
 
 def _overlay(dest: Path, patched: bool) -> Path:
@@ -319,6 +318,21 @@ def _child(tree: Path, scenario: str, folder: Path, *options: str) -> dict:
     result = json.loads(out.read_text())
     result["_log"] = proc.stdout + proc.stderr
     return result
+
+
+@pytest.fixture(scope="module")
+def child(tmp_path_factory):
+    """_child, each (tree, scenario, options) run once per module, in a folder of its own: two
+    tests read the patched config run and two the NVFP4 rows run (one vLLM child each)."""
+    runs: dict[tuple, dict] = {}
+
+    def run(tree: Path, scenario: str, *options: str) -> dict:
+        key = (str(tree), scenario, options)
+        if key not in runs:
+            runs[key] = _child(tree, scenario, tmp_path_factory.mktemp(scenario), *options)
+        return runs[key]
+
+    return run
 
 
 def test_patch_applies_to_pristine_sdist_compiles_and_reverts(tmp_path):
@@ -359,9 +373,10 @@ def test_shipped_gather_module_is_the_source():
     assert 'Activation: --engram-config \'{"disk_offload": true, "disk_offload_gather": true}\'' in text
 
 
-def test_config_refusals_and_inert_default(trees, tmp_path):
-    patched = _child(trees["patched"], "config", tmp_path)
-    stock = _child(trees["stock"], "config", tmp_path)
+@pytest.mark.slow
+def test_config_refusals_and_inert_default(trees, child):
+    patched = child(trees["patched"], "config")
+    stock = child(trees["stock"], "config")
     # Inert: the compile factors of every configuration upstream accepts are upstream's.
     for case in ("default", "disk_offload", "gather"):
         assert "error" not in patched[case], patched[case]
@@ -387,13 +402,14 @@ def _proof_logs() -> dict[str, str]:
     )
 
 
-def test_proof_log_lines_match_what_the_patched_vllm_prints(trees, tmp_path):
+@pytest.mark.slow
+def test_proof_log_lines_match_what_the_patched_vllm_prints(trees, child):
     logs = _proof_logs()
     assert set(logs) == {"ple_hook", "ple_active", "ple_staging"}
-    config = _child(trees["patched"], "config", tmp_path)
+    config = child(trees["patched"], "config")
     # VllmConfig logs "Resolved Engram configuration: %s" with str(EngramConfig).
     assert re.search(logs["ple_hook"], "Resolved Engram configuration: " + config["str_gather"])
-    rows = _child(trees["patched"], "rows", tmp_path, "--kind", "nvfp4")
+    rows = child(trees["patched"], "rows", "--kind", "nvfp4")
     match = next(m for m in (re.search(logs["ple_active"], line) for line in rows["_log"].splitlines()) if m)
     assert match.group("planes") == "weight, weight_scale"
     assert match.group("how") == "rows staged before each forward"  # magpie log-check's wording
@@ -406,15 +422,17 @@ def test_proof_log_lines_match_what_the_patched_vllm_prints(trees, tmp_path):
     assert re.search(logs["ple_staging"], staging).group("n") == "2"
 
 
-def test_unsupported_dtype_is_refused_when_built(trees, tmp_path):
-    result = _child(trees["patched"], "dtype", tmp_path)
+@pytest.mark.slow
+def test_unsupported_dtype_is_refused_when_built(trees, child):
+    result = child(trees["patched"], "dtype")
     assert result["error"] and "disk_offload_gather serves BF16, FP8 and NVFP4" in result["error"]
     assert "torch.float16" in result["error"] and "disk_offload_gather=false" in result["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "nvfp4"])
-def test_gathered_rows_equal_the_resident_table_warm_and_cold(trees, tmp_path, kind):
-    result = _child(trees["patched"], "rows", tmp_path, "--kind", kind)
+def test_gathered_rows_equal_the_resident_table_warm_and_cold(trees, child, kind):
+    result = child(trees["patched"], "rows", "--kind", kind)
     assert result["classes"] == {
         "gather": "Qwen4ExpPLEDiskOffloadEmbedding",
         "upstream": "Qwen4ExpPLEDiskOffloadEmbedding",

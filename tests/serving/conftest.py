@@ -1,5 +1,7 @@
-"""Fixtures for the Flash-Next tools' tests (the servers themselves are module fixtures of the
-test module that uses them: a start costs about two minutes of CI on two cores)."""
+"""Fixtures for the Flash-Next tools' tests. A server start costs about two minutes of CI on two
+cores: a module that only sends a server requests asks tests/conftest.py's session pool
+(`vllm_servers`, `mtp3_server`) for it; a module that tests serve.sh's or the server's own start
+and stop starts its own, as a module fixture."""
 
 from __future__ import annotations
 

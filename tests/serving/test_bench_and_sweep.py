@@ -1,8 +1,9 @@
 """The decode bench's client-side figures and the sweep, against one real vLLM server on 127.0.0.1.
 
-One server of the tiny Qwen3.5 + MTP "increment" model (MTP k=3, every draft accepted) runs for
-the whole module, with VLLM_SERVER_DEV_MODE=1 so that /reset_prefix_cache exists. The sweep
-launches a second configuration (MTP off) itself, through serve.sh, once.
+One server of the tiny Qwen3.5 + MTP "increment" model (MTP k=3, every draft accepted) serves
+the whole module, with VLLM_SERVER_DEV_MODE=1 so that /reset_prefix_cache exists: the session
+pool's (tests/conftest.py), which tests/test_vllm_server.py shares. The sweep launches a second
+configuration (MTP off) itself, through serve.sh, once.
 
 - bench_decode's TTFT / TPOT / ITL / E2EL are computed with vLLM's own `calculate_metrics` from
   the same per-request timings (exact agreement), and measured side by side with the real
@@ -35,28 +36,19 @@ import pytest
 
 from magpie.measure import common, report, sweep
 from magpie.serving.process import VllmServer
+from tests.conftest import MTP_TOKENS
 from tests.serving.helpers import MEASURE, PYTHON, REPO, run_tool, tool, vllm_env
 
 pytestmark = pytest.mark.slow
 
-MTP_TOKENS = 3
 MAX_TOKENS = 48
 PROMPT_COUNT = 6
 
 
 @pytest.fixture(scope="module")
-def server(tiny_mtp_model, tmp_path_factory):
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": MTP_TOKENS})
-    log = tmp_path_factory.mktemp("bench-server") / "server.log"
-    srv = VllmServer(
-        tiny_mtp_model,
-        ["--no-enable-prefix-caching", "--speculative-config", spec],  # MTP on CPU needs the former
-        env=vllm_env(None, VLLM_SERVER_DEV_MODE="1"),
-        log_path=log,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+def server(mtp3_server):
+    """The pool's MTP k=3 server (tests/conftest.py: MTP3_ARGS, VLLM_SERVER_DEV_MODE=1)."""
+    return mtp3_server
 
 
 @pytest.fixture(scope="module")
@@ -635,8 +627,9 @@ def test_random_prompts_have_the_asked_length(server):
         assert abs(count - 150) <= 8, count
 
 
-def test_sweep_launches_a_configuration_through_serve_sh(sweep_dir, server, tiny_mtp_model):
-    server.stop()  # one vLLM server at a time: the module's server has done its part
+def test_sweep_launches_a_configuration_through_serve_sh(sweep_dir, tiny_mtp_model):
+    # The pool's MTP server stays up, idle, for the later module that shares it; the sweep's
+    # launched configuration runs beside it.
     env = vllm_env(None, VLLM_PYTHON=PYTHON, MAX_MODEL_LEN="2048", PLE="0")
     proc = sweep_cmd(
         sweep_dir, "--config", "off:mtp=0", "--model", str(tiny_mtp_model), "--repeats", "1", "--min-free", "1GiB",

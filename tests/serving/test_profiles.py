@@ -64,6 +64,7 @@ def test_profile_expands_as_vllms_own_config_loader_does(serve_parser, name):
     assert launch.expand(launch.load_profile(path)) == serve_parser.load_config_file(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROFILES)
 def test_profile_options_exist_in_vllm_serve_help(serve_help, name):
     options = [a for a in launch.expand(launch.load_profile(launch.profile_path(name))) if a.startswith("--")]
@@ -346,6 +347,7 @@ SHADOW = (
 )
 
 
+@pytest.mark.slow
 def test_a_vllm_folder_where_you_stand_does_not_shadow_the_installed_vllm(tmp_path, tiny_mtp_model):
     caller = tmp_path / "caller"
     (caller / "vllm").mkdir(parents=True)

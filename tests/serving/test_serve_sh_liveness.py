@@ -16,8 +16,12 @@ import signal
 import time
 import urllib.request
 
+import pytest
+
 from magpie.serving.process import group_members
 from tests.serving.helpers import ServeSh
+
+pytestmark = pytest.mark.slow  # each test starts its own server through serve.sh
 
 
 def wait_until(condition, timeout: float, what: str, describe=lambda: ""):

@@ -114,6 +114,7 @@ def start_watchdog(server: VllmServer, log: Path, *options: str) -> subprocess.P
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_watchdog_judges_a_server_frozen_right_after_it_served(server):
     # The watchdog never saw a healthy /health (it was held until now); the API server freezes.
     # Before, it waited for a first healthy /health forever; vLLM's own line in the log starts the
@@ -146,6 +147,7 @@ def wait_for(path: Path, needle: str, timeout: float) -> str:
     raise AssertionError(f"{needle!r} not in {path} after {timeout} s:\n{text}")
 
 
+@pytest.mark.slow
 def test_watchdog_reports_a_frozen_generation_counter_while_health_stays_green(server, tmp_path):
     engine = engine_core_pid(server)
     log = tmp_path / "watchdog.log"
@@ -183,6 +185,7 @@ def test_watchdog_reports_a_frozen_generation_counter_while_health_stays_green(s
         assert watchdog.wait(timeout=30) == 0
 
 
+@pytest.mark.slow
 def test_watchdog_default_probe_finds_a_stopped_idle_engine_and_stops_only_its_server(server, tmp_path):
     # Last test of the module: it stops the server. No --probe-interval: the default probes an idle
     # engine (its running/waiting counts, which come from the engine, read 0 once it is stopped).

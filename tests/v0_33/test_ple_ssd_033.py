@@ -378,9 +378,27 @@ def cmd_ats(args) -> dict:
     }
 
 
+def cmd_builds(args) -> dict:
+    """Several checkpoints, DIR/<name> per entry of --specs (build's result in DIR/<name>.json),
+    in one process (one vLLM import)."""
+    made = {}
+    for name, spec in json.loads(args.specs).items():
+        made[name] = build(
+            Path(args.dir) / name,
+            spec.get("base", 4000),
+            spec.get("fp8", False),
+            spec.get("nvfp4", False),
+            spec.get("filler", 0),
+            spec.get("drop"),
+        )
+        (Path(args.dir) / f"{name}.json").write_text(json.dumps(made[name], indent=1))
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenario", choices=["build", "forward", "memory", "config", "build_error", "ats"])
+    scenarios = ["build", "builds", "forward", "memory", "config", "build_error", "ats"]
+    parser.add_argument("scenario", choices=scenarios)
     parser.add_argument("dir")
     parser.add_argument("out")
     parser.add_argument("--base", type=int, default=4000, help="ngram_vocab_size_base (build)")
@@ -392,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookup", choices=["none", "staged", "direct"], default="none")
     parser.add_argument("--engram", default="{}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--specs", default="{}", help="builds: {name: build's options} for DIR/<name>")
     args = parser.parse_args(argv)
     if args.scenario == "build":
         result = build(Path(args.dir), args.base, args.fp8, args.nvfp4, args.filler, args.drop)
@@ -449,17 +468,15 @@ def trees(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def checkpoints(trees, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ple-033-ckpt")
-    made = {}
-    for name, options in {
-        "bf16": [],
-        "fp8": ["--fp8"],
-        "nvfp4": ["--nvfp4"],
-        "filler": ["--base", "20000", "--filler", "65536"],
-        "missing_shard": ["--drop", "5"],
-    }.items():
-        child(trees["stock"], "build", str(root / name), str(root / f"{name}.json"), *options)
-        made[name] = root / name
-    return made
+    specs = {
+        "bf16": {},
+        "fp8": {"fp8": True},
+        "nvfp4": {"nvfp4": True},
+        "filler": {"base": 20000, "filler": 65536},
+        "missing_shard": {"drop": 5},
+    }
+    child(trees["stock"], "builds", str(root), str(root / "builds.json"), "--specs", json.dumps(specs))
+    return {name: root / name for name in specs}
 
 
 @pytest.fixture(scope="module")
@@ -510,6 +527,7 @@ def test_patch_header_names_target_activation_and_what_needs_a_gb10():
     assert "GB10" in header and "not run" in header.lower()
 
 
+@pytest.mark.slow
 def test_config_activation_refusals_and_the_default_hash(trees, checkpoints, tmp_path):
     stock = child_json(trees["stock"], tmp_path, "config", str(checkpoints["bf16"]))
     patched = child_json(trees["patched"], tmp_path, "config", str(checkpoints["bf16"]))
@@ -549,6 +567,7 @@ def test_config_activation_refusals_and_the_default_hash(trees, checkpoints, tmp
         assert log_check.check(lines)["features"]["ple_mmap"]["state"] == state, engram
 
 
+@pytest.mark.slow
 def test_ats_detection_is_none_on_this_cpu_and_the_decision_needs_cuda_and_host_page_tables(trees, tmp_path):
     result = child_json(trees["patched"], tmp_path, "ats", str(tmp_path))
     assert result["attribute_here"] is None  # no CUDA device here: guarded, not an error
@@ -562,6 +581,7 @@ def test_ats_detection_is_none_on_this_cpu_and_the_decision_needs_cuda_and_host_
     }
 
 
+@pytest.mark.slow
 def test_inactive_patched_layer_is_bit_identical_to_stock(trees, checkpoints, stock_rows, tmp_path):
     stock_bf16 = stock_rows("bf16")
     patched = child_pt(trees["patched"], tmp_path, "forward", str(checkpoints["bf16"]), "--storage", "device")
@@ -571,6 +591,7 @@ def test_inactive_patched_layer_is_bit_identical_to_stock(trees, checkpoints, st
         assert torch.equal(left.view(torch.int16), right.view(torch.int16))
 
 
+@pytest.mark.slow
 def test_default_config_still_picks_upstreams_pinned_table(trees, checkpoints, tmp_path):
     """On this CPU the pinned table cannot be allocated; stock and patched fail identically,
     in upstream's pinned class (the patch does not divert the default)."""
@@ -579,6 +600,7 @@ def test_default_config_still_picks_upstreams_pinned_table(trees, checkpoints, t
     assert stock == patched, (stock, patched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lookup", ["staged", "direct"])
 @pytest.mark.parametrize("table_format", ["bf16", "fp8"])
 def test_mmap_table_rows_equal_the_stock_table_bit_for_bit(
@@ -605,6 +627,7 @@ def test_mmap_table_rows_equal_the_stock_table_bit_for_bit(
         assert "not staged for it" in mmap["unstaged"], mmap["unstaged"]
 
 
+@pytest.mark.slow
 def test_nvfp4_table_is_refused_with_the_reason(trees, checkpoints, tmp_path):
     patched = child_json(
         trees["patched"], tmp_path, "build_error", str(checkpoints["nvfp4"]), "--engram", '{"offload_storage": "mmap"}'
@@ -613,6 +636,7 @@ def test_nvfp4_table_is_refused_with_the_reason(trees, checkpoints, tmp_path):
     assert "offload_storage='pinned'" in patched["error"]
 
 
+@pytest.mark.slow
 def test_table_is_not_resident_after_steps(trees, checkpoints, tmp_path):
     info = json.loads((checkpoints["filler"].parent / "filler.json").read_text())
     stock = child_json(trees["stock"], tmp_path, "memory", str(checkpoints["filler"]), "--storage", "device")
@@ -631,6 +655,7 @@ def test_table_is_not_resident_after_steps(trees, checkpoints, tmp_path):
     assert mmap["released"] > 0, mmap  # the filler tensors' pages were released
 
 
+@pytest.mark.slow
 def test_missing_shard_is_refused_by_index(trees, checkpoints, tmp_path):
     engram = '{"offload_storage": "mmap"}'
     patched = child_json(

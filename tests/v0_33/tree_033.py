@@ -14,19 +14,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.releases import sdist_tree
 
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
 TOOL = REPO / "magpie" / "patches.py"
-SDIST = REPO / ".cache" / "sdist" / "vllm-0.33.0"
 SERIES = REPO / "patches" / "vllm-0.33.0"
 
 
 def sdist_033() -> Path:
-    if not (SDIST / "vllm" / "__init__.py").exists():
-        pytest.fail(f"{SDIST} is missing: run tests/env/setup.sh (tests/run.sh does)")
-    return SDIST
+    """The pristine 0.33.0 sdist tree (tests/env/setup.sh unpacks it)."""
+    return sdist_tree("0.33.0")
 
 
 def overlay_033(dest: Path, selectors: list[str] | None) -> Path:
