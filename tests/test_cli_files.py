@@ -254,7 +254,7 @@ def _tool_cases(tmp_path: Path) -> dict[str, tuple[str, list[str], Path]]:
         "trace-split": ("magpie.measure.trace_split", [str(tmp_path / "no-trace"), "--output", str(out)], out),
         "bench-staging": ("magpie.ple_ssd.bench_staging", ["--dir", str(tmp_path / "t"), "--out", str(out)], out),
         "bench-draft-head": ("magpie.mtp_pruning.bench_draft_head", ["--output", str(out)], out),
-        "gpu-harness": ("magpie.gpu.harness", ["summary", str(results), "--write-to", str(out)], out),
+        "gpu-harness": ("magpie.gpu.gpu_harness", ["summary", str(results), "--write-to", str(out)], out),
         "log-check": ("magpie.measure.log_check", [str(tmp_path / "no-log"), "--output", str(out)], out),
     }
 
@@ -275,7 +275,7 @@ def test_each_tool_refuses_an_existing_output_before_any_work(tmp_path, capsys, 
 
 
 def test_gpu_harness_summary_writes_with_force(tmp_path, capsys):
-    from magpie.gpu import harness
+    from magpie.gpu import gpu_harness as harness
 
     _, argv, out = _tool_cases(tmp_path)["gpu-harness"]
     out.write_text("earlier result")

@@ -200,7 +200,7 @@ def test_the_gpu_harness_carries_it(checkout):
     wheel and requirements file."""
     env = {k: v for k, v in os.environ.items() if k != "MAGPIE_RELEASES"}
     code = (
-        "from magpie.gpu import harness; "
+        "from magpie.gpu import gpu_harness as harness; "
         "print(harness.RELEASE, harness.WHEEL_NAME, harness.PINS.relative_to(harness.REPO), sep='\\n')"
     )
     out = subprocess.run(

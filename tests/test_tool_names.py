@@ -9,9 +9,8 @@ from magpie import TOOLS
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Not yet renamed, with the reason: gpu-harness's module (magpie/gpu/harness.py) was in use on the
-# GPU machine when the others were renamed; it becomes magpie/gpu/gpu_harness.py when that is free.
-NOT_YET = {"gpu-harness": "magpie.gpu.harness"}
+# Tools whose module may keep another name, with the reason (none now).
+NOT_YET: dict[str, str] = {}
 
 
 def test_every_tools_module_is_named_after_the_tool():

@@ -1,4 +1,4 @@
-"""Tiny models and keep-sets for the GPU harness (see harness.py --help).
+"""Tiny models and keep-sets for the GPU harness (see gpu_harness.py --help).
 
 Small models are built here, on the CPU machine, with magpie/demo/demo_model.py (the real config
 fields and tensor names) and travel with the patched site tree. Models too large to travel
@@ -6,7 +6,7 @@ fields and tensor names) and travel with the patched site tree. Models too large
 config, the tokenizer, every tensor's name/shape/dtype, and the values of the small tensors;
 `materialize` writes the checkpoint on the GPU machine from it.
 
-Model kinds (names used by the configurations in harness.py):
+Model kinds (names used by the configurations in gpu_harness.py):
 - `inc`: Qwen3.5 + 1 MTP layer, "increment" weights (demo_model), 4,096 ids, hidden 256:
   greedy continues next id = previous id + 1 and the draft drafts exactly that.
 - `soft`: `inc` with the head scaled by SOFT_SCALE, so that at temperature 0.7 the next id is

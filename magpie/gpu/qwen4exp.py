@@ -1,4 +1,4 @@
-"""A tiny `Qwen4ExpForConditionalGeneration` checkpoint for the ple suite (harness.py --help).
+"""A tiny `Qwen4ExpForConditionalGeneration` checkpoint for the ple suite (gpu_harness.py --help).
 
 `build_spec` (this machine, transformers >= 5.24 for its Qwen4Exp classes) instantiates
 transformers' own `Qwen4ExpForConditionalGeneration` from a tiny config, so the tensor names

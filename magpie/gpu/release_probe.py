@@ -8,7 +8,7 @@ front-end (their names and sizes go in the manifest), patched with the release's
 series (magpie/patches.py apply), plus the pinned packages of the release's closure that the
 H200 image (as /work/.library/device/KINDS.md lists it) lacks, except those that link torch or
 CUDA, which cannot run against the image's torch anyway (listed, with the reason, in the
-manifest). Reuses magpie/gpu/harness.py's download, hash, unzip and tar.xz functions.
+manifest). Reuses magpie/gpu/gpu_harness.py's download, hash, unzip and tar.xz functions.
 
 Commands
   prepare   (this machine) build .gpu-harness/v<release>/{site.tar.xz,manifest.json}; prints
@@ -38,7 +38,7 @@ import zipfile
 from pathlib import Path
 
 from magpie import cli, files, releases
-from magpie.gpu import harness
+from magpie.gpu import gpu_harness as harness
 
 REPO = harness.REPO
 KINDS_MD = Path("/work/.library/device/KINDS.md")

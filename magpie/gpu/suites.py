@@ -240,7 +240,7 @@ SCALE = [
 ]
 
 # Issue 18: a 17.4 GB table (16 heads x a prime above 3.4 M rows, 128 shards in 4 files), four
-# times the page cache the bounded configuration gets (a cgroup v2 memory.max: harness.py).
+# times the page cache the bounded configuration gets (a cgroup v2 memory.max: gpu_harness.py).
 PLE_SCALE_TABLE_BASE = 3_400_000
 
 

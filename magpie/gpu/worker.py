@@ -1,10 +1,10 @@
 """One harness configuration in one process: `python3 worker.py CONFIG.json`.
 
-Started by harness.py (`run`), never by hand in normal use. Builds `vllm.LLM` in-process
+Started by gpu_harness.py (`run`), never by hand in normal use. Builds `vllm.LLM` in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the engine core, the model runner and the model live in
 this process), installs counters on vLLM's own dispatch and CUDA-graph replay functions,
 runs the configuration's checks and prints one line `RESULT {json}` at the end. The log
-lines that prove which path ran are read from this process's output by harness.py.
+lines that prove which path ran are read from this process's output by gpu_harness.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from magpie.gpu import harness
+from magpie.gpu import gpu_harness as harness
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent.parent
 
 from magpie import releases  # noqa: E402
-from magpie.gpu import harness, models, proof  # noqa: E402
+from magpie.gpu import gpu_harness as harness  # noqa: E402
+from magpie.gpu import models, proof  # noqa: E402
 
 
 def test_pins_give_the_vllm_wheel_hash():

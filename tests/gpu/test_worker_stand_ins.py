@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.releases import sdist_tree
+
 REPO = Path(__file__).resolve().parent.parent.parent
-SDIST = REPO / ".cache" / "sdist" / "vllm-0.34.0"
 
 
 def child(mode: str, rendezvous: str) -> None:
@@ -44,9 +45,8 @@ def child(mode: str, rendezvous: str) -> None:
 
 
 def _run(mode: str, tmp_path: Path) -> dict:
-    if not (SDIST / "vllm" / "__init__.py").exists():
-        pytest.fail(f"{SDIST} is missing: run tests/env/setup.sh (tests/run.sh does)")
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": os.pathsep.join([str(REPO), str(SDIST)])}
+    sdist = sdist_tree("0.34.0")
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": os.pathsep.join([str(REPO), str(sdist)])}
     proc = subprocess.run(
         [sys.executable, __file__, mode, str(tmp_path / f"rendezvous-{mode}")],
         capture_output=True,
@@ -59,6 +59,7 @@ def _run(mode: str, tmp_path: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_stock_034_picks_the_fused_kernel_and_the_stand_in_keeps_it_unfused(tmp_path):
     stock = _run("stock", tmp_path)
     assert stock == {

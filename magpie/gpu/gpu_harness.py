@@ -944,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
             "list": cmd_list,
         }[args.command](args)
     except HarnessError as exc:
-        print(f"harness.py {args.command}: error: {exc}", file=sys.stderr)
+        print(f"gpu_harness.py {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
 
