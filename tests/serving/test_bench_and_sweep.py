@@ -490,7 +490,7 @@ def sweep_dir(first_sweep) -> Path:
 def test_sweep_measures_every_point_with_a_prefix_cache_reset_before_each(first_sweep):
     sweep_dir = first_sweep.path
     results = json.loads((sweep_dir / "results.json").read_text())
-    assert results["schema"] == "magpie/sweep/3" and results["status"] == "complete"
+    assert results["schema"] == "magpie/sweep/4" and results["status"] == "complete"
     assert results["points_expected"] == results["points_complete"] == 4
     assert {(r["config"], r["input_len"], r["concurrency"]) for r in results["summary"]} == {
         ("mtp3", n, k) for n in (64, 200) for k in (1, 2)
