@@ -51,7 +51,7 @@ def seed(modules: Path, line: str) -> None:
 def test_the_0_29_series_python_passes_vllm_s_own_ruff_settings(series_029):
     proc = lint_patches(series_029)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ruff over the 2 Python files the patch series create" in proc.stdout
+    assert "ruff over the 4 Python files the patch series create" in proc.stdout
     assert "every module the series create is what its source generates" in proc.stdout
 
 

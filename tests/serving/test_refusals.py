@@ -60,9 +60,23 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def dummy():
+    """The module's one process of its own; `before` holds the test session's children that were
+    already running when the module started (the session's shared server pool), not the module's."""
+    before = set(_children())
     proc = start_dummy()
+    proc.before = before
     yield proc
     stop(proc)
+
+
+def _children() -> list[int]:
+    """The live child processes of this test process."""
+    me = os.getpid()
+    return [
+        pid
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+        if _ppid(pid) == me and pgroup.start_time(pid) is not None
+    ]
 
 
 def serve_sh(tmp_path: Path, **settings: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -387,14 +401,10 @@ def test_install_service_refuses_injection_paths_and_values_serve_sh_refuses(tmp
 
 
 def test_nothing_is_left_running(dummy):
-    """The module's dummy is its only process; a refusal started none of its own."""
+    """The module's dummy is its only process; a refusal started none of its own (the session's
+    pooled servers, running before the module began, are not the module's)."""
     assert dummy.poll() is None
-    me = os.getpid()
-    children = [
-        pid
-        for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-        if pid != dummy.pid and _ppid(pid) == me and pgroup.start_time(pid) is not None
-    ]
+    children = [pid for pid in _children() if pid != dummy.pid and pid not in dummy.before]
     assert children == [], children
 
 

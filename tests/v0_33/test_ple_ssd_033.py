@@ -512,7 +512,9 @@ def test_patch_applies_and_reverts_byte_identical_on_the_sdist(tmp_path):
         "vllm/config/engram.py",
         "vllm/config/vllm.py",
         "vllm/models/qwen4_exp/common/ngram_embedding.py",
+        "vllm/models/qwen4_exp/common/ple_hash.py",
         "vllm/models/qwen4_exp/common/ple_mmap.py",
+        "vllm/models/qwen4_exp/common/ple_rows.py",
         "vllm/models/qwen4_exp/nvidia/model_state.py",
         "vllm/models/qwen4_exp/nvidia/ngram_embedding.py",
     }
