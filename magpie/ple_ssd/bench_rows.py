@@ -206,11 +206,20 @@ def side_by_side(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", help="folder for the table file (on the disk to measure; default /var/tmp)")
-    parser.add_argument("--table-mib", type=int, default=256)
+    parser.add_argument("--table-mib", type=int, default=256, help="size of the table file written (MiB; default 256)")
     parser.add_argument("--row-bytes", type=int, default=320, help="320: a BF16 row of 160 values")
-    parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--rows", type=int, nargs="+", default=list(ROW_COUNTS))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shards", type=int, default=4, help="shards the table is split into (default 4)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=list(ROW_COUNTS),
+        help="distinct rows per step, one timing row each (default: 16 64 512 4096 32768; 32,768 is a "
+        "2,048-token prefill chunk x 16 heads)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="steps timed per cell, each on new random rows (default 5, at least 3)"
+    )
     parser.add_argument(
         "--states", nargs="+", choices=("warm", "cold"), default=["warm", "cold"], help="page cache states to time"
     )

@@ -18,10 +18,12 @@ When the pages of the step's rows are not resident (a `mincore` sample
 decides), every read the step needs is queued before the gather (per page
 run: `posix_fadvise(WILLNEED)`, or `MADV_POPULATE_READ` spread over threads),
 so the gather's page faults wait on reads already in flight instead of
-issuing them one at a time. A small step (up to 64 rows: a decode step) is
-checked and sampled on Python ints (4 rows sampled) and copied by one memmove
-per row, whose fixed cost is lower than a dozen tensor ops. Standalone: no
-vLLM import.
+issuing them one at a time. A cold step of fewer than 4,096 rows is then read
+with one `os.preadv` per row rather than through the mapping: faulting pages
+in cost more than the reads at those sizes (H200 host, docs/ple_ssd.md). A
+small step (up to 64 rows: a decode step) is checked and sampled on Python
+ints (4 rows sampled) and copied by one memmove per row, whose fixed cost is
+lower than a dozen tensor ops. Standalone: no vLLM import.
 """
 
 import contextlib
@@ -49,6 +51,11 @@ _SMALL_STEP_ROWS = 64
 # Rows sampled in such a step: one mincore call costs ~2 us on a 2-CPU VM, as
 # much as copying a few rows, and a table evicted in whole shows in any row.
 _SMALL_SAMPLE_ROWS = 4
+# A cold step of fewer rows than this is read with one preadv per row after its
+# reads are queued: faulting the pages in through the mapping was 1.1-1.35x
+# slower than upstream's preads from 16 to 512 rows, and even at 4,096 (H200
+# host, bench_rows, 2026-12-03).
+_COLD_PREAD_ROWS = 4096
 # From this many bytes (512 rows of 320 B) a step's gather runs on several torch
 # threads: on an H200 host they paid from 512 rows on (docs/ple_ssd.md).
 _PARALLEL_BYTES = 160 << 10
@@ -290,6 +297,21 @@ def check_plane_dtype(name: str, dtype: torch.dtype) -> None:
         )
 
 
+def _fadvise_runs(reads: list[tuple[int, int]], row_bytes: int) -> None:
+    """posix_fadvise(WILLNEED) once per run of pages holding these rows, given as
+    (fd, file offset) sorted by offset within each fd."""
+    runs: list[list[int]] = []
+    for fd, offset in reads:
+        first, last = offset // PAGE_SIZE, (offset + row_bytes - 1) // PAGE_SIZE
+        if runs and runs[-1][0] == fd and first <= runs[-1][2] + 1:
+            runs[-1][2] = max(last, runs[-1][2])
+        else:
+            runs.append([fd, first, last])
+    for fd, first, last in runs:
+        size = (last - first + 1) * PAGE_SIZE
+        os.posix_fadvise(fd, first * PAGE_SIZE, size, os.POSIX_FADV_WILLNEED)
+
+
 class MappedShard:
     """One shard's rows, mapped read-only from its checkpoint file."""
 
@@ -442,6 +464,19 @@ class RowGather:
             )
         spans = self._spans(shard)
         self.last_cold = not all(self._sample_resident(spans, local))
+        if self.last_cold and local.numel() < _COLD_PREAD_ROWS and out.is_contiguous():
+            reads = []
+            for s, begin, end in spans:
+                mapped = self.shards[s]
+                base = mapped.file_base + mapped.delta
+                offsets = (local[begin:end] * self.row_bytes + base).tolist()
+                reads.extend((mapped.fd, offset) for offset in offsets)
+            if self.prefetch == "fadvise":
+                _fadvise_runs(reads, self.row_bytes)
+            else:
+                self._queue_reads(spans, local)
+            self._pread(reads, out)
+            return
         if self.last_cold:
             self._queue_reads(spans, local)
         self._gather(spans, local, out)
@@ -474,11 +509,39 @@ class RowGather:
                 break
         self.last_cold = cold
         if cold:
-            self._queue_reads(self._spans(shard), local)
+            base = [m.file_base + m.delta for m in self.shards]
+            fds = [m.fd for m in self.shards]
+            reads = [
+                (fds[s], base[s] + row * row_bytes) for s, row in zip(shards, rows)
+            ]
+            if self.prefetch == "fadvise":
+                # The page runs on Python ints: the tensor path's page_runs cost
+                # ~0.3 ms here, as much as the reads of 16 rows.
+                _fadvise_runs(reads, row_bytes)
+            else:
+                self._queue_reads(self._spans(shard), local)
+            self._pread(reads, out)
+            return
         dest, move = out.data_ptr(), _memmove
         for address in addresses:
             move(dest, address, row_bytes)
             dest += row_bytes
+
+    def _pread(self, reads: list[tuple[int, int]], out: torch.Tensor) -> None:
+        """Read one row per (fd, file offset) into the rows of `out`, in order."""
+        row_bytes = self.row_bytes
+        view = memoryview(
+            (ctypes.c_ubyte * (len(reads) * row_bytes)).from_address(out.data_ptr())
+        ).cast("B")
+        at = 0
+        for fd, offset in reads:
+            got = os.preadv(fd, [view[at : at + row_bytes]], offset)
+            if got != row_bytes:
+                raise OSError(
+                    f"PLE row read at byte {offset}: {got} of {row_bytes} bytes "
+                    "(the checkpoint file changed while it was served?)"
+                )
+            at += row_bytes
 
     def _sample_resident(self, spans, local):
         total = local.numel()

@@ -98,7 +98,9 @@ PLANES = {
 
 @pytest.mark.parametrize("kind", list(PLANES))
 @pytest.mark.parametrize("cold,prefetch", [(False, "fadvise"), (True, "fadvise"), (True, "populate")])
-@pytest.mark.parametrize("count", [16, 64, 4096])  # a decode step (the Python-int path) and a chunk
+# A decode step (the Python-int path), a cold step read by preads (under 4,096 rows) and a
+# chunk gathered through the mapping.
+@pytest.mark.parametrize("count", [16, 64, 512, 8192])
 def test_rows_identical_to_file(tmp_path, kind, cold, prefetch, count):
     rows = SHARDS * SHARD_ROWS - 1000
     tables, paths, shards = _write_table(tmp_path, PLANES[kind], rows)
