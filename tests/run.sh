@@ -21,4 +21,5 @@ cd "$root"
 "$root/tests/lint.sh"
 
 # pytest exits 5 when it collected no test: that is a failure here, as any non-zero exit is.
-exec "$root/.venv/bin/python" -m pytest tests -p no:cacheprovider --timeout 1800 "$@"
+# --durations: the 30 slowest tests close the report, so CI's log shows where the time goes.
+exec "$root/.venv/bin/python" -m pytest tests -p no:cacheprovider --timeout 1800 --durations=30 "$@"
