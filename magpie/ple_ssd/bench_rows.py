@@ -7,7 +7,8 @@ posix_fadvise(DONTNEED) before each repeat), for several row counts.
 Standalone, CPU only: it writes a safetensors file holding a table split into shards (real
 safetensors library), draws sorted distinct row ids as `stage_rows` passes them, checks that
 both readers return the same bytes, and prints upstream's and ours side by side (median
-[min-max] over the repeats).
+[min-max] over the repeats). Cold rows also time the disk's floor: each row's pages read with
+O_DIRECT preads, 16 in flight (--floor-threads), the bytes checked alike.
 
   python -m magpie.ple_ssd.bench_rows --table-mib 512 --repeats 5 --dir /path/on/the/ssd
   python -m magpie.ple_ssd.bench_rows --rows 16 64 512 4096 --states warm --conditions server
@@ -28,6 +29,7 @@ import struct
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,6 +38,8 @@ from safetensors.torch import save_file
 from magpie.vllm_modules import ple_rows
 
 ROW_COUNTS = (16, 64, 512, 4096, 32768)
+# The disk's floor as the reads of the page cache cannot go under it: O_DIRECT preads on threads.
+FLOOR = "floor(O_DIRECT)"
 
 
 def write_table(folder: Path, table_mib: int, row_bytes: int, shards: int) -> tuple[Path, dict, int, int]:
@@ -100,12 +104,59 @@ class UpstreamReader:
                 raise ValueError(f"short read at {offset}")
 
 
+class FloorReader:
+    """The disk's floor for a step's rows: each row's pages read with O_DIRECT preads (the page
+    cache bypassed, so every read goes to the disk) on `threads` threads at once, which keeps as
+    many reads in flight; what no reader of the page cache can beat cold."""
+
+    def __init__(self, layout: dict, row_bytes: int, threads: int):
+        self.row_bytes = row_bytes
+        self.threads = threads
+        self.fd = {i: os.open(p, os.O_RDONLY | os.O_DIRECT) for i, (p, _, _) in layout.items()}
+        self.base = {i: offset for i, (_, offset, _) in layout.items()}
+        self.pool = ThreadPoolExecutor(threads, "floor")
+        self.last_cold = True
+
+    def close(self):
+        self.pool.shutdown()
+        for fd in self.fd.values():
+            os.close(fd)
+
+    def read_rows(self, shard: torch.Tensor, local: torch.Tensor, out: torch.Tensor) -> None:
+        page, row_bytes = mmap.PAGESIZE, self.row_bytes
+        reads = [
+            (i, self.fd[s], self.base[s] + r * row_bytes)
+            for i, (s, r) in enumerate(zip(shard.tolist(), local.tolist(), strict=True))
+        ]
+        dest = out.numpy()
+
+        def read(part):
+            # An anonymous mapping is page-aligned, as O_DIRECT needs.
+            buf = mmap.mmap(-1, 2 * page + -(-row_bytes // page) * page)
+            view = memoryview(buf)
+            try:
+                for i, fd, offset in part:
+                    lo = offset - offset % page
+                    size = -(-(offset + row_bytes - lo) // page) * page
+                    if os.preadv(fd, [view[:size]], lo) < offset + row_bytes - lo:
+                        raise ValueError(f"short O_DIRECT read at {lo}")
+                    dest[i] = view[offset - lo : offset - lo + row_bytes]
+            finally:
+                view.release()
+                buf.close()
+
+        parts = [reads[k :: self.threads] for k in range(self.threads)]
+        for future in [self.pool.submit(read, part) for part in parts if part]:
+            future.result()
+
+
 def measure(args) -> list[dict]:
     folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ple-bench-", dir="/var/tmp"))
     folder.mkdir(parents=True, exist_ok=True)
     path, layout, shard_rows, total = write_table(folder, args.table_mib, args.row_bytes, args.shards)
     results = []
     default_threads = torch.get_num_threads()
+    readers = {}
     try:
         upstream = UpstreamReader(layout, args.row_bytes)
         ours = {
@@ -113,6 +164,8 @@ def measure(args) -> list[dict]:
             for mode in ("fadvise", "populate")
         }
         readers = {"upstream": upstream, "ours(fadvise)": ours["fadvise"], "ours(populate)": ours["populate"]}
+        if args.floor_threads:
+            readers[FLOOR] = FloorReader(layout, args.row_bytes, args.floor_threads)
         gen = torch.Generator().manual_seed(1)
         conditions = {"server": 1, "ideal": default_threads}
         for condition in args.conditions:
@@ -121,8 +174,8 @@ def measure(args) -> list[dict]:
             for rows in args.rows:
                 for state in args.states:
                     for name, reader in readers.items():
-                        if state == "warm" and name == "ours(populate)":
-                            continue  # the same gather as ours(fadvise) when warm
+                        if state == "warm" and name in ("ours(populate)", FLOOR):
+                            continue  # the same gather as ours(fadvise) / the disk, when warm
                         times = []
                         for _ in range(args.repeats):
                             ids = torch.randperm(total, generator=gen)[:rows].sort().values
@@ -137,7 +190,7 @@ def measure(args) -> list[dict]:
                             t0 = time.perf_counter()
                             reader.read_rows(shard, local, out)
                             times.append((time.perf_counter() - t0) * 1e3)
-                            if name != "upstream" and reader.last_cold != (state == "cold"):
+                            if name.startswith("ours") and reader.last_cold != (state == "cold"):
                                 raise SystemExit(
                                     f"bench_rows: a {state} repeat found the pages "
                                     f"{'resident' if state == 'cold' else 'evicted'}: {path} is on a file "
@@ -168,6 +221,8 @@ def measure(args) -> list[dict]:
         upstream.close()
         for reader in ours.values():
             reader.close()
+        if FLOOR in readers:
+            readers[FLOOR].close()
         if not args.keep:
             path.unlink()
     return results
@@ -193,12 +248,13 @@ def side_by_side(results: list[dict]) -> str:
             return "-"
         return f"{r['median_ms']:.3f} [{r['min_ms']:.3f}-{r['max_ms']:.3f}]"
 
-    heads = ("upstream ms", "ours(fadvise) ms", "ours(populate) ms")
+    heads = ("upstream ms", "ours(fadvise) ms", "ours(populate) ms", "O_DIRECT floor ms")
     lines = [f"{'condition':<9} {'state':<5} {'rows':>6} " + " ".join(f"{h:>24}" for h in heads)]
     for (condition, state, rows), readers in cells.items():
         lines.append(
             f"{condition:<9} {state:<5} {rows:>6} {cell(readers.get('upstream')):>24} "
-            f"{cell(readers.get('ours(fadvise)')):>24} {cell(readers.get('ours(populate)')):>24}"
+            f"{cell(readers.get('ours(fadvise)')):>24} {cell(readers.get('ours(populate)')):>24} "
+            f"{cell(readers.get(FLOOR)):>24}"
         )
     return "\n".join(lines)
 
@@ -235,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="ple_rows' torch threads for a large gather (default: CPUs less one, at most 8)",
+    )
+    parser.add_argument(
+        "--floor-threads",
+        type=int,
+        default=16,
+        help="threads of the disk-floor reader timed beside the cold reads: O_DIRECT preads of each "
+        "row's pages, that many in flight (default 16; 0: leave it out). A floor only where the CPUs "
+        "can run them: on a 2-CPU VM the threads cost more than the reads they overlap",
     )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the table file")
