@@ -79,7 +79,7 @@ import sys
 import time
 
 from magpie import cli
-from magpie.serving import bounds, cgroup, pgroup, supervisor
+from magpie.serving import bounds, cgroup, pgroup, status, supervisor
 from magpie.serving.logs import OWN_LINES, Log, LogFollower, open_log
 
 # Lines of the NVIDIA driver, the CUDA runtime and PyTorch that report the GPU side running out of
@@ -472,7 +472,7 @@ class Guard:
             if reason:
                 self.stop_reason = reason
                 self.stop(reason)
-                return supervisor.GUARD_STOPPED
+                return status.GUARD_STOPPED
             time.sleep(self.interval)
 
 
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             supervisor.check_run(args)
         except supervisor.RunRefused as e:
             print(f"memguard run: error: {e}", file=sys.stderr)
-            return supervisor.REFUSED
+            return status.REFUSED
         if args.check:
             return 0
     try:

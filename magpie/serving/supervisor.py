@@ -29,7 +29,9 @@ from collections.abc import Callable
 
 from magpie import cli, files, tool_command
 from magpie.serving import bounds, pgroup, pidfile
+from magpie.serving import watchdog as watchdog_tool
 from magpie.serving.logs import OWN_LINES, SERVING_LINE, Log, LogFollower
+from magpie.serving.status import ENGINE_DIED, GUARD_STOPPED, REFUSED, WATCHDOG_DIED, WATCHDOG_STOPPED
 
 __all__ = ["ENGINE_DEATH", "ENGINE_DIED", "GUARD_STOPPED", "WATCHDOG_STOPPED", "Supervisor", "add_run_options"]
 
@@ -41,11 +43,6 @@ ENGINE_DEATH = re.compile(
     r"EngineCore encountered a fatal error|EngineDeadError|Engine core proc \S+ died unexpectedly|"
     r"Engine core process \S+ died unexpectedly|engine core exited unexpectedly|Engine core initialization failed"
 )
-GUARD_STOPPED = 3  # the memory guard's status when it stopped the server (`memguard watch` exits with it)
-WATCHDOG_STOPPED = 4  # the watchdog's status when it stopped the server (`watchdog watch` exits with it)
-ENGINE_DIED = 5  # `run`'s status when the engine died (the API server's own status is 0)
-WATCHDOG_DIED = 7  # `run`'s status when the watchdog or the guard died while the server ran (it is stopped)
-REFUSED = 2  # `run`'s status when it refused to start (bad options, a pid file that is not ours)
 
 
 class RunRefused(Exception):
@@ -336,13 +333,11 @@ def watchdog_options(args: argparse.Namespace) -> list[str]:
         raise RunRefused(f"--watchdog-args {args.watchdog_args!r}: {e}") from None
     if args.watchdog == "off":
         return words
-    from magpie.serving import watchdog  # it imports this module
-
     probe = ["watch", "--pid", str(bounds.PID_MIN), "--url", args.watchdog_url, *words]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            watchdog.build_parser().parse_args(probe)
+            watchdog_tool.build_parser().parse_args(probe)
     except SystemExit:
         lines = [line for line in err.getvalue().splitlines() if line.strip()]
         why = lines[-1].split("error: ", 1)[-1] if lines else "not accepted"

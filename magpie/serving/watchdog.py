@@ -57,7 +57,7 @@ from magpie.serving.metrics import (
     REQUESTS_WAITING,
     MetricsSnapshot,
 )
-from magpie.serving.supervisor import WATCHDOG_STOPPED
+from magpie.serving.status import WATCHDOG_STOPPED
 
 # Several tokens with any tokenizer (a one-token prompt crashes vLLM 0.29.0's CPU build under MTP).
 PROBE_PROMPT = "Watchdog probe: answer with one word. Are you there?"
