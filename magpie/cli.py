@@ -127,10 +127,10 @@ def parser(prog: str | None, doc: str | None, **kwargs) -> Parser:
     return Parser(prog=prog, **kwargs)
 
 
-def add_force(p: argparse.ArgumentParser, what: str = "the output file", *aliases: str) -> argparse.Action:
-    """The one overwrite flag: `--force` (plus any older `aliases`, e.g. "--overwrite"), stored
-    as `args.force`; pass it to magpie.files.check_output."""
-    return p.add_argument("--force", *aliases, dest="force", action="store_true", help=f"replace {what} if it exists")
+def add_force(p: argparse.ArgumentParser, what: str = "the output file") -> argparse.Action:
+    """The one overwrite flag: `--force`, stored as `args.force`; pass it to
+    magpie.files.check_output."""
+    return p.add_argument("--force", dest="force", action="store_true", help=f"replace {what} if it exists")
 
 
 def add_server(p: argparse.ArgumentParser) -> None:

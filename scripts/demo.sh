@@ -104,7 +104,7 @@ measure() {
   done
   echo "ready after ${waited} s"
   URL="http://127.0.0.1:$port" LABEL="$label" SERVER_LOG="$log" EXPECT="$expect" N_C1=4 N_C4=16 MAX_TOKENS=256 \
-    REPEATS="$repeats" BENCH_ARGS=--ignore-eos GSM8K="$root/tests/serving/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
+    REPEATS="$repeats" BENCH_ARGS=--ignore-eos GSM8K="$root/tests/fixtures/gsm8k_fixture.jsonl" GSM8K_ARGS="--max-tokens 64" \
     PYTHON="$python" "$root/magpie/measure/run_suite.sh" "$workdir/results/$name"
   if [ ${#profile_args[@]} -gt 0 ]; then
     say "profile: decode c=1, prefill, decode c=4 (torch profiler), split per engine step"

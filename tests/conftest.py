@@ -28,6 +28,12 @@ VLLM_VERSION = releases.default()
 
 
 @pytest.fixture(scope="session")
+def gsm8k_fixture() -> Path:
+    """Twelve GSM8K-format problems (tests/fixtures) for the gsm8k tool and the suites that run it."""
+    return TESTS / "fixtures" / "gsm8k_fixture.jsonl"
+
+
+@pytest.fixture(scope="session")
 def sdist_root() -> Path:
     """The pristine source tree of the table's default release (read-only: copy it before
     changing anything)."""
@@ -88,7 +94,7 @@ def vllm_server_factory(tmp_path):
 
 # The tiny increment model served with MTP k=3 and vLLM's dev endpoints (the sweep's prefix-cache
 # reset): the arguments of the pool's server that tests/test_vllm_server.py and
-# tests/serving/test_bench_and_sweep.py share. MTP on the CPU build needs prefix caching off.
+# tests/measure/test_bench_and_sweep.py share. MTP on the CPU build needs prefix caching off.
 MTP_TOKENS = 3
 MTP3_ARGS = (
     "--no-enable-prefix-caching",

@@ -185,15 +185,15 @@ def test_parser_shows_the_docstring_defaults_that_say_something_and_the_force_fl
     parser.add_argument("--label", help="a name")
     parser.add_argument("--quiet", action="store_true", help="say less")
     parser.add_argument("--seed", default="s.json", help="seed file (default: %(default)s)")
-    cli.add_force(parser, "the --output file", "--overwrite")
+    cli.add_force(parser, "the --output file")
     text = parser.format_help()
     assert text.startswith("usage: magpie thing [-h]")
     assert "\n\nDo one thing well.\n\n" in text
     assert text.rstrip().endswith("    magpie thing --count 3\n\nFormats: kept as written,\n  indented lines too.")
     assert "how many (default: 3)" in text and "seed file (default: s.json)\n" in text
     assert "(default: None)" not in text and "(default: False)" not in text
-    assert "--force, --overwrite" in text and "replace the --output file if it exists" in text
-    assert parser.parse_args(["--overwrite"]).force and not parser.parse_args([]).force
+    assert "  --force " in text and "replace the --output file if it exists" in text
+    assert parser.parse_args(["--force"]).force and not parser.parse_args([]).force
 
 
 def test_subcommands_get_the_same_help_format():

@@ -1,13 +1,16 @@
 """What the measurement tools share: one-line refusals of ordinary mistakes, the server reads that
 can go wrong in ordinary ways, the percentiles and goodput of `vllm bench serve`, and the
-comparison of two repeated figures ("within noise" when their ranges overlap).
+comparison of two repeated figures ("within noise" when their ranges overlap), and rows as CSV
+text.
 
 Standard library only.
 """
 
 from __future__ import annotations
 
+import csv
 import http.client
+import io
 import json
 import os
 import urllib.error
@@ -187,3 +190,13 @@ def compare(base: dict | None, other: dict | None) -> str:
     if overlap:
         return "within noise"
     return f"{change:+.1f} %" if change is not None else "differs"
+
+
+def csv_text(rows: list[dict], fields: list[str]) -> str:
+    """`rows` as CSV text with a header of `fields` (a missing or None value is an empty cell)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in fields})
+    return out.getvalue()

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The sweep: decode and prefill latency over server configurations x input lengths x concurrency.
 
-(Over 800 lines, one file for now: the plan, its resume, the runs and the outputs all read one
-plan document; the keep-set sweep's ~250 lines are the next part to move to a module of their own.)
+(Over 800 lines, one file: the plan, its resume, the runs and the outputs all read one plan
+document; the keep-set sweep's arguments, keep-sets and table are in sweep_keepsets.py.)
 
 For every configuration (MTP off, MTP k, MTP k with the pruned draft head, ...), every input
 length and every concurrency, `--repeats` runs of `bench_decode.py` (streamed chat requests,
@@ -74,7 +74,6 @@ it), and finished runs are kept.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import io
 import json
@@ -86,10 +85,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from magpie import cli, files
-from magpie.measure import bench_decode, common
+from magpie.measure import bench_decode, common, sweep_keepsets
 from magpie.serving import client
 from magpie.serving.process import ServerDied, ServeShServer
 
@@ -193,102 +191,6 @@ def parse_server(text: str) -> dict:
     if not sep or not NAME_RE.match(name) or not url.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"--server {text!r}: expected NAME=http://HOST:PORT")
     return {"name": name, "kind": "running", "url": url.rstrip("/")}
-
-
-def path_list(text: str) -> list[str]:
-    paths = [x.strip() for x in text.split(",") if x.strip()]
-    if not paths:
-        raise argparse.ArgumentTypeError(f"{text!r}: give keep-set files, e.g. a.npy,b.json")
-    return paths
-
-
-# --------------------------------------------------------------------------------------------
-# Keep-sets of a keep-set sweep
-
-
-def check_keepsets(args) -> int | None:
-    """Before anything starts: the vocabulary of --model, sizes below it, given keep-set files
-    as the mtp_pruning patch reads them. Returns the vocabulary size; raises Refusal (one line)."""
-    from magpie.mtp_pruning.count_tokens import read_vocab_size
-    from magpie.serving import preflight
-
-    if not (args.keepset_sizes or args.keepsets):
-        if args.corpus:
-            raise common.Refusal("--corpus is for a keep-set sweep: add --keepset-sizes or --keepsets")
-        return None
-    if not args.model:
-        raise common.Refusal("a keep-set sweep launches its servers: give --model, the checkpoint folder")
-    if args.keepset_sizes and not args.corpus:
-        raise common.Refusal("--keepset-sizes needs --corpus FILE_OR_FOLDER, the generations to fit the sizes on")
-    try:
-        vocab = read_vocab_size(Path(args.model))
-    except files.InputError as e:
-        raise common.Refusal(str(e)) from None
-    too_big = [k for k in args.keepset_sizes or [] if k >= vocab]
-    if too_big:
-        raise common.Refusal(
-            f"--keepset-sizes {','.join(map(str, too_big))}: not below the vocabulary of {args.model} "
-            f"({vocab} ids); a keep-set holds fewer ids than the vocabulary (the full head is --config NAME:mtp=K)"
-        )
-    for path in args.keepsets or []:
-        try:
-            preflight.read_keep_ids(os.path.abspath(path), vocab)
-        except preflight.Refused as e:
-            raise common.Refusal(f"--keepsets: {e}") from None
-    return vocab
-
-
-def keepset_configs(args, run_dir: str) -> list[dict]:
-    """One launched configuration per keep-set: the --keepset-sizes fitted from --corpus (written
-    to RUN_DIR/keepsets/keep<K>.npy) and the --keepsets files, with their corpus coverage."""
-    if not (args.keepset_sizes or args.keepsets):
-        return []
-    import numpy as np
-
-    from magpie.mtp_pruning import build_keepset, fit_keepset
-    from magpie.serving import preflight
-
-    counts = inputs = None
-    if args.corpus:
-        say(f"sweep: counting the corpus ({', '.join(args.corpus)}) with {args.model}'s tokenizer")
-        try:
-            counts, inputs, _ = fit_keepset.count_corpus(args.corpus, args.model)
-        except (ValueError, FileNotFoundError, files.InputError) as e:
-            raise common.Refusal(str(e).removeprefix("error: ")) from None
-    total = int(counts.sum()) if counts is not None else None
-
-    def entry(name: str, path: str, ids, source: str) -> dict:
-        coverage = float(counts[ids].sum() / total) if counts is not None else None
-        keepset = {"keep_ids": int(len(ids)), "source": source, "path": path, "corpus_coverage": coverage}
-        if counts is not None:
-            keepset.update(corpus_tokens=total, corpus_files=[str(p) for p in inputs])
-        env = {"MTP": str(args.keepset_mtp), "DRAFT_VOCAB_PATH": path}
-        return {"name": name, "kind": "launched", "env": env, "keepset": keepset}
-
-    configs = []
-    if args.keepset_sizes:
-        specials = build_keepset.special_ids(args.model)
-        folder = os.path.join(run_dir, "keepsets")
-        os.makedirs(folder, exist_ok=True)
-        for size in sorted(set(args.keepset_sizes)):
-            ids = fit_keepset.keep_set_of_size(counts, size, specials)
-            path = os.path.join(folder, f"keep{size}.npy")
-            if os.path.exists(path) and not np.array_equal(np.load(path), ids):
-                raise common.Refusal(
-                    f"{path} was fitted from another corpus; its finished runs would not be comparable: "
-                    "use a new RUN_DIR, or the same --corpus"
-                )
-            build_keepset.save_keep_set(ids, path)
-            configs.append(entry(f"keep{size}", path, ids, "fitted"))
-    for given in args.keepsets or []:
-        path = os.path.abspath(given)
-        ids = preflight.read_keep_ids(path).numpy()
-        stem = re.sub(r"[^A-Za-z0-9_.-]", "-", os.path.splitext(os.path.basename(path))[0])
-        configs.append(entry(f"keep-{stem}", path, ids, "file"))
-    names = [c["name"] for c in configs]
-    if len(set(names)) != len(names):
-        raise common.Refusal(f"--keepsets: two keep-sets give one configuration name ({names}); rename a file")
-    return configs
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,7 +405,7 @@ def summary_row(
             for i, share in enumerate(spec.get("per_position_acceptance") or []):
                 by_position += [0.0] * (i + 1 - len(by_position))
                 by_position[i] += share * spec["drafts"]
-    keepset = keepset_of(plan, config)
+    keepset = sweep_keepsets.keepset_of(plan, config)
     return {
         "config": config,
         "depth": depth,
@@ -533,100 +435,6 @@ def summary_row(
         else None,
         "spread": spreads,
     }
-
-
-def keepset_of(plan: dict, config: str) -> dict:
-    """The keep-set figures of a configuration of a keep-set sweep ({} for any other)."""
-    for c in plan.get("configs") or []:
-        if c["name"] == config:
-            return c.get("keepset") or {}
-    return {}
-
-
-KEEPSETS_CSV = "keepsets.csv"  # a keep-set sweep: one row per keep-set and point
-KEEPSET_FIELDS = [
-    "config",
-    "keep_ids",
-    "source",
-    "corpus_coverage",
-    "depth",
-    "input_len",
-    "concurrency",
-    "repeats",
-    "acceptance_length",
-    "per_position_acceptance",
-    "decode_tok_s_median",
-    "decode_tok_s_min",
-    "decode_tok_s_max",
-    "best",
-]
-
-
-def keepset_sweep(summaries: list[dict], configs: list[dict]) -> dict | None:
-    """The keep-set sweep's table (one row per keep-set and point) and, per point, the best
-    keep-set: the highest median engine decode tok/s over the repeats, and how it stands against
-    the runner-up (common.compare: "within noise" when their ranges overlap). None when no
-    configuration is a keep-set of the sweep."""
-    keepsets = {c["name"]: c["keepset"] for c in configs if c.get("keepset")}
-    if not keepsets:
-        return None
-    rows, points = [], {}
-    for row in summaries:
-        if row["config"] not in keepsets:
-            continue
-        figure = (row.get("spread") or {}).get(COMPARED_FIGURE) or {}
-        keepset = keepsets[row["config"]]
-        rows.append(
-            {
-                "config": row["config"],
-                "keep_ids": keepset["keep_ids"],
-                "source": keepset["source"],
-                "corpus_coverage": keepset.get("corpus_coverage"),
-                **{k: row.get(k, 0) for k in ("depth", "input_len", "concurrency")},
-                "repeats": row["repeats"],
-                "acceptance_length": row["acceptance_length"],
-                "per_position_acceptance": row.get("per_position_acceptance"),
-                "decode_tok_s_median": figure.get("median"),
-                "decode_tok_s_min": figure.get("min"),
-                "decode_tok_s_max": figure.get("max"),
-                "decode_tok_s": figure or None,
-                "best": False,
-            }
-        )
-        points.setdefault(_where(row)[1:], []).append(rows[-1])
-    best = []
-    for (depth, input_len, concurrency), candidates in points.items():
-        ranked = sorted(
-            (r for r in candidates if r["decode_tok_s_median"] is not None),
-            key=lambda r: (-r["decode_tok_s_median"], r["keep_ids"]),
-        )
-        if not ranked:
-            continue
-        ranked[0]["best"] = True
-        runner = ranked[1] if len(ranked) > 1 else None
-        best.append(
-            {
-                "depth": depth,
-                "input_len": input_len,
-                "concurrency": concurrency,
-                "config": ranked[0]["config"],
-                "keep_ids": ranked[0]["keep_ids"],
-                "decode_tok_s_median": ranked[0]["decode_tok_s_median"],
-                "runner_up": runner["config"] if runner else None,
-                "versus_runner_up": common.compare(runner["decode_tok_s"], ranked[0]["decode_tok_s"])
-                if runner
-                else "no other keep-set measured",
-            }
-        )
-    return {"keepsets": keepsets, "rows": rows, "best": best}
-
-
-def keepset_csv_rows(section: dict | None) -> list[dict]:
-    out = []
-    for row in (section or {}).get("rows", []):
-        positions = row["per_position_acceptance"]
-        out.append({**row, "per_position_acceptance": " ".join(f"{x:.4f}" for x in positions) if positions else None})
-    return out
 
 
 def metric_rows(summaries: list[dict]) -> list[dict]:
@@ -669,15 +477,6 @@ def compare_to_first(document: dict) -> dict[tuple, str]:
     return out
 
 
-def _csv(rows: list[dict], fields: list[str]) -> str:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in fields})
-    return out.getvalue()
-
-
 def write_results(run_dir: str, plan: dict) -> dict:
     """Rebuild results.json / results.csv / points.csv from the point files on disk."""
     points, summaries = [], []
@@ -717,17 +516,15 @@ def write_results(run_dir: str, plan: dict) -> dict:
         "configs": plan["configs"],
         "host": plan["host"],
         "summary": summaries,
-        "keepset_sweep": keepset_sweep(summaries, plan["configs"]),
+        "keepset_sweep": sweep_keepsets.keepset_sweep(summaries, plan["configs"], COMPARED_FIGURE),
         "points": points,
     }
     files.atomic_write_json(os.path.join(run_dir, files.SWEEP_RESULTS), document)
     if document["keepset_sweep"]:
-        files.atomic_write_text(
-            os.path.join(run_dir, KEEPSETS_CSV), _csv(keepset_csv_rows(document["keepset_sweep"]), KEEPSET_FIELDS)
-        )
-    files.atomic_write_text(os.path.join(run_dir, files.SWEEP_RESULTS_CSV), _csv(summaries, SUMMARY_FIELDS))
-    files.atomic_write_text(os.path.join(run_dir, files.SWEEP_POINTS_CSV), _csv(points, POINT_FIELDS))
-    files.atomic_write_text(os.path.join(run_dir, METRICS_CSV), _csv(metric_rows(summaries), METRICS_FIELDS))
+        sweep_keepsets.write_csv(run_dir, document["keepset_sweep"])
+    files.atomic_write_text(os.path.join(run_dir, files.SWEEP_RESULTS_CSV), common.csv_text(summaries, SUMMARY_FIELDS))
+    files.atomic_write_text(os.path.join(run_dir, files.SWEEP_POINTS_CSV), common.csv_text(points, POINT_FIELDS))
+    files.atomic_write_text(os.path.join(run_dir, METRICS_CSV), common.csv_text(metric_rows(summaries), METRICS_FIELDS))
     return document
 
 
@@ -763,39 +560,7 @@ def print_summary(document: dict, out=sys.stdout) -> None:
     )
     section = document.get("keepset_sweep")
     if section:
-        print_keepsets(section, out)
-
-
-def print_keepsets(section: dict, out=sys.stdout) -> None:
-    def f(value, spec=".1f"):
-        return "-" if value is None else format(value, spec)
-
-    print("\nkeep-set sweep (one server start per keep-set):", file=out)
-    print(
-        f"{'keep-set':<16}{'ids':>8}{'coverage':>10}{'depth':>7}{'input':>8}{'c':>4}{'rep':>4}"
-        f"  {'L':>5}  {'per position':<22}  decode tok/s median [min - max]",
-        file=out,
-    )
-    for row in section["rows"]:
-        coverage = "-" if row["corpus_coverage"] is None else f"{100 * row['corpus_coverage']:.2f} %"
-        positions = " ".join(f"{x:.2f}" for x in row["per_position_acceptance"] or []) or "-"
-        print(
-            f"{row['config']:<16}{row['keep_ids']:>8}{coverage:>10}{row['depth']:>7}{row['input_len']:>8}"
-            f"{row['concurrency']:>4}{row['repeats']:>4}  {f(row['acceptance_length'], '.2f'):>5}  {positions:<22}  "
-            f"{f(row['decode_tok_s_median'])} [{f(row['decode_tok_s_min'])} - {f(row['decode_tok_s_max'])}]"
-            f"{'  <- best' if row['best'] else ''}",
-            file=out,
-        )
-    for best in section["best"]:
-        at = f"d={best['depth']} " if best["depth"] else ""
-        versus = best["versus_runner_up"]
-        if best["runner_up"]:
-            versus = f"vs {best['runner_up']}: {versus}"
-        print(
-            f"best keep-set at {at}in={best['input_len']} c={best['concurrency']}: {best['config']} "
-            f"({best['keep_ids']} ids), {f(best['decode_tok_s_median'])} tok/s median; {versus}",
-            file=out,
-        )
+        sweep_keepsets.print_keepsets(section, out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -961,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", action="append", default=[], metavar="FILE_OR_FOLDER",
                         help="generations to fit --keepset-sizes on and to measure coverage against, as "
                         "fit-keepset reads them (repeatable; default: none)")  # fmt: skip
-    parser.add_argument("--keepsets", type=path_list, metavar="FILE,FILE,...",
+    parser.add_argument("--keepsets", type=sweep_keepsets.path_list, metavar="FILE,FILE,...",
                         help="a keep-set sweep over these files (.npy, .pt, .safetensors, .json), one server "
                         "start each (default: none)")  # fmt: skip
     parser.add_argument("--keepset-mtp", type=int, default=3,
@@ -1002,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keepset_mtp < 1:
         parser.error("--keepset-mtp must be >= 1 (a pruned draft head needs MTP on)")
     try:
-        check_keepsets(args)
+        sweep_keepsets.check_keepsets(args)
     except common.Refusal as e:
         say(e.message)
         return 2
@@ -1036,17 +801,7 @@ def run_sweep(args, configs: list[dict]) -> int:
     common.check_writable(os.path.join(args.run_dir, files.SWEEP_PLAN), "RUN_DIR")
     os.makedirs(args.run_dir, exist_ok=True)
     run_dir = os.path.abspath(args.run_dir)
-    keepsets = keepset_configs(args, run_dir)
-    taken = {c["name"] for c in configs} & {c["name"] for c in keepsets}
-    if taken:
-        raise common.Refusal(f"--config / --server names {sorted(taken)} are the keep-set sweep's; rename them")
-    configs = configs + keepsets
-    if keepsets:
-        say(
-            f"sweep: keep-set sweep: {len(keepsets)} keep-sets ("
-            + ", ".join(f"{c['name']} {c['keepset']['keep_ids']} ids" for c in keepsets)
-            + f"), one server start each (vLLM loads the keep-set at start), MTP={args.keepset_mtp}"
-        )
+    configs, keepsets = sweep_keepsets.with_keepsets(args, run_dir, configs)
     plan = load_plan(run_dir, args, configs)
     grid = [
         (n, c, r, d)

@@ -3,7 +3,7 @@ cannot be written, result files of another version. Each case runs the real tool
 subprocess against a real HTTP server on 127.0.0.1 that misbehaves as the case says (a proxy's
 HTML page, an empty model list, a 500 from /metrics, replies no client can read), and asserts one
 line on stderr, a non-zero exit, no traceback and nothing left behind. No vLLM is needed: the
-figures against a real vLLM server are in tests/serving/test_bench_and_sweep.py.
+figures against a real vLLM server are in tests/measure/test_bench_and_sweep.py.
 """
 
 from __future__ import annotations

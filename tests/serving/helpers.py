@@ -11,7 +11,6 @@ REPO = TESTS.parent
 PACKAGE = REPO / "magpie"  # `python3 PACKAGE TOOL` runs a tool as users do
 TOOLS = PACKAGE / "serving"  # serve.sh, profiles/
 MEASURE = PACKAGE / "measure"  # run_suite.sh, schemas/
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 from magpie.demo.demo_overlay import vllm_env  # noqa: E402
 from magpie.serving.process import ServeShServer  # noqa: E402

@@ -1,7 +1,7 @@
 """trace_split.py files the head by what it computes, on two real H200 scale traces.
 
 The fixtures are real excerpts, nothing reconstructed: two decode steps (engine-core step
-calls 5 and 6) cut by `tests/serving/cut_h200_trace.py --launched` out of the torch-profiler
+calls 5 and 6) cut by `tests/measure/cut_h200_trace.py --launched` out of the torch-profiler
 traces of `gpu-harness run --suite scale` under vLLM 0.34.0 on an NVIDIA H200 (2026-12-03:
 measurements/vllm-0.34.0/mtp-scale-h200-2026-12-03.json; the scale model, 248,320-id
 vocabulary, MTP k = 3, FULL_AND_PIECEWISE, `vllm.LLM` in-process, with_stack and

@@ -1,6 +1,6 @@
 """Cut a few engine steps out of a torch-profiler trace taken on the H200 (the fixtures of
 test_trace_split_h200.py and test_trace_split_heads.py):
-`python -m tests.serving.cut_h200_trace SRC DST FIRST LAST [--launched]`.
+`python -m tests.measure.cut_h200_trace SRC DST FIRST LAST [--launched]`.
 
 Keeps the trace's top-level fields, every metadata ("M") event, and every other event that
 starts between the start of engine-core step call FIRST and the start of call LAST (its
@@ -14,11 +14,11 @@ host under async scheduling, so a window of host time holds kernels launched bef
 launch, and so their call site, would be cut away) and misses the tail of its own; the flow
 ("ac2g") events of dropped kernels go too. How the fixtures were made:
 
-    python -m tests.serving.cut_h200_trace q4e-mmap12-fp.pt.trace.json.gz \\
+    python -m tests.measure.cut_h200_trace q4e-mmap12-fp.pt.trace.json.gz \\
         tests/fixtures/h200-q4e-mmap12-fp-decode.pt.trace.json.gz 2 9
-    python -m tests.serving.cut_h200_trace scale-fp-base.pt.trace.json.gz \\
+    python -m tests.measure.cut_h200_trace scale-fp-base.pt.trace.json.gz \\
         tests/fixtures/h200-scale-base-decode.pt.trace.json.gz 5 7 --launched
-    python -m tests.serving.cut_h200_trace scale-fp-k10k.pt.trace.json.gz \\
+    python -m tests.measure.cut_h200_trace scale-fp-k10k.pt.trace.json.gz \\
         tests/fixtures/h200-scale-k10k-decode.pt.trace.json.gz 5 7 --launched
 """
 

@@ -1,7 +1,7 @@
 """trace_split.py on a real GPU trace: torch.profiler inside vLLM 0.29.0 on an NVIDIA H200.
 
 The fixture (tests/fixtures/h200-q4e-mmap12-fp-decode.pt.trace.json.gz, 0.4 MB) is 7 decode
-steps cut by tests/serving/cut_h200_trace.py out of the trace the GPU harness recorded on
+steps cut by tests/measure/cut_h200_trace.py out of the trace the GPU harness recorded on
 2026-12-01 (`magpie gpu-harness run --suite ple`, configuration q4e-mmap12-fp: the tiny
 Qwen4Exp with the PLE table served by ple_ssd 0001 + 0002, FULL_AND_PIECEWISE, the V2 model
 runner, `vllm.LLM` in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0; torch 2.11.0+cu130,
