@@ -75,14 +75,34 @@ def tiny_random_model(tmp_path_factory, tokenizer_dir) -> Path:
     return build_tiny_qwen35(tmp_path_factory.mktemp("tiny-random") / "model", tokenizer_dir, variant="random")
 
 
+# A test server runs eagerly unless its test is about compiled behaviour: on the CPU build
+# `--enforce-eager` skips the torch.compile warm-up, 25-60 s of a ~70-100 s start on two cores
+# (init 12 s eager vs 36-73 s compiled, tiny models, vLLM 0.29.0). What the suite checks of a
+# server (texts, ids, logs, HTTP, stops) does not depend on it; tests/test_vllm_server.py keeps a
+# compiled server and the README's demo serves compiled. Tool runs that start their own servers
+# (serve.sh, the sweep, bench-pruned) pass EAGER as their serve arguments.
+EAGER = ("--enforce-eager",)
+
+
+def with_eager(args: Sequence[str], eager: bool) -> list[str]:
+    """`args`, with EAGER added when `eager` and `args` do not already say it."""
+    args = list(args)
+    return args + [a for a in EAGER if a not in args] if eager else args
+
+
 @pytest.fixture
 def vllm_server_factory(tmp_path):
-    """Start real vLLM servers; every server started is stopped at teardown."""
+    """Start real vLLM servers (eager unless eager=False); every server started is stopped at
+    teardown."""
     started: list[VllmServer] = []
 
-    def start(model, extra_args=(), env=None, timeout=600, **kwargs) -> VllmServer:
+    def start(model, extra_args=(), env=None, timeout=600, eager=True, **kwargs) -> VllmServer:
         server = VllmServer(
-            model, list(extra_args), env=env or vllm_env(), log_path=tmp_path / f"server{len(started)}.log", **kwargs
+            model,
+            with_eager(extra_args, eager),
+            env=env or vllm_env(),
+            log_path=tmp_path / f"server{len(started)}.log",
+            **kwargs,
         )
         started.append(server)
         return server.start(timeout=timeout)
@@ -105,12 +125,13 @@ MTP3_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 class ServerPool:
-    """Real vLLM servers shared by the session, one per (model, overlay, arguments, extra
-    environment, max model length): started when a test first asks for it, stopped at the
-    session's end. A server start costs about two minutes on two cores, so tests that differ only
-    in what they send a server ask the pool for the same one; a test of a server's own start or
-    stop behaviour starts its own (`vllm_server_factory`). A test may stop a pooled server (the
-    next ask starts it again) but must not otherwise change it."""
+    """Real vLLM servers shared by the session (under pytest-xdist: by one worker's tests), one
+    per (model, overlay, arguments, extra environment, max model length), eager unless
+    eager=False: started when a test first asks for it, stopped at the session's end. A server
+    start costs 40-100 s on two cores, so tests that differ only in what they send a server ask
+    the pool for the same one; a test of a server's own start or stop behaviour starts its own
+    (`vllm_server_factory`). A test may stop a pooled server (the next ask starts it again) but
+    must not otherwise change it."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -125,7 +146,9 @@ class ServerPool:
         env: Mapping[str, str] | None = None,
         max_model_len: int | None = 2048,
         timeout: float = 600,
+        eager: bool = True,
     ) -> VllmServer:
+        args = with_eager(args, eager)
         extra = dict(env or {})
         key = (str(model), str(overlay) if overlay else None, tuple(args), tuple(sorted(extra.items())), max_model_len)
         server = self.servers.get(key)
