@@ -9,6 +9,7 @@ The suite runs under the test venv's interpreter (tests/env/setup.sh); tests/run
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -25,6 +26,13 @@ from tests.releases import sdist_tree  # noqa: E402
 
 # The release the test venv's vLLM is and the flake's default: the release table's default row.
 VLLM_VERSION = releases.default()
+
+# Under pytest-xdist (tests/run.sh runs two workers) two CPU servers may start at once. vLLM's CPU
+# worker binds its OpenMP threads, its main thread among them, to the first core by default
+# (VLLM_CPU_OMP_THREADS_BIND=auto with one core reserved: "core ids=[0]" on this 2-core VM), so both
+# servers would share core 0; `nobind` leaves the placing to the kernel. A value set outside is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 @pytest.fixture(scope="session")

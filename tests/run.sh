@@ -4,6 +4,7 @@
 # usage: tests/run.sh [pytest args...]      e.g. tests/run.sh -k patch_tool
 #        tests/run.sh -m "not slow"          the fast inner loop: no vLLM server start, no vLLM subprocess
 #                                            import (the `slow` marker, pyproject.toml); CI runs everything
+#        tests/run.sh -n 0                   one worker (the default is two, below)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -22,4 +23,9 @@ cd "$root"
 
 # pytest exits 5 when it collected no test: that is a failure here, as any non-zero exit is.
 # --durations: the 30 slowest tests close the report, so CI's log shows where the time goes.
-exec "$root/.venv/bin/python" -m pytest tests -p no:cacheprovider --timeout 1800 --durations=30 "$@"
+# -n 2 --dist loadfile: two pytest-xdist workers, each taking whole test files (a file's module
+# fixtures and servers stay in one process). Much of the suite waits (server starts, signals,
+# timeouts, the package registry) rather than computes, so a second worker fills that time even
+# on two cores; each worker has its own session pool of servers. A later -n in "$@" wins.
+exec "$root/.venv/bin/python" -m pytest tests -p no:cacheprovider --timeout 1800 --durations=30 \
+  -n 2 --dist loadfile "$@"
