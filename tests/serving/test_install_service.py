@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from magpie.serving.process import free_port
 from tests.serving.helpers import PYTHON, run_tool
 
 ANALYZE = shutil.which("systemd-analyze")
@@ -133,7 +134,7 @@ def test_systemd_restarts_the_server_after_its_engine_is_killed(tmp_path, tiny_m
     name = f"magpie-test-{os.getpid()}"
     log = tmp_path / "serve.log"
     args = ["--model", str(tiny_mtp_model), "--python", PYTHON, "--unit-dir", "/run/systemd/system"]
-    args += ["--name", name, "--log", str(log), "--port", "8197", "--profile", "hopper", "--restart-sec", "1"]
+    args += ["--name", name, "--log", str(log), "--port", str(free_port()), "--profile", "hopper", "--restart-sec", "1"]
     args += ["--env", "PLE=0", "--env", "MAX_MODEL_LEN=2048", "--env", "MEMGUARD=0", "--", "--max-num-seqs", "1"]
     assert run_tool("install-service", *args, "--run-as", "root").returncode == 0
     ctl = ["systemctl"]

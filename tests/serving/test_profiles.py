@@ -27,6 +27,7 @@ import pytest
 
 from magpie.demo.demo_overlay import vllm_env
 from magpie.serving import launch, manifest
+from magpie.serving.process import free_port
 from tests.serving.helpers import PYTHON, REPO, TOOLS, tool
 
 PROFILES = sorted(p.stem for p in (TOOLS / "profiles").glob("*.yaml"))
@@ -362,7 +363,13 @@ def test_a_vllm_folder_where_you_stand_does_not_shadow_the_installed_vllm(tmp_pa
 
     log = tmp_path / "server.log"
     env = vllm_env(
-        None, MODEL=str(tiny_mtp_model), VLLM_PYTHON=PYTHON, PORT="18112", PLE="0", MTP="0", MAX_MODEL_LEN="2048"
+        None,
+        MODEL=str(tiny_mtp_model),
+        VLLM_PYTHON=PYTHON,
+        PORT=str(free_port()),
+        PLE="0",
+        MTP="0",
+        MAX_MODEL_LEN="2048",
     )
     env.update(MEMGUARD="0", WATCHDOG="0")
     serve = subprocess.Popen(

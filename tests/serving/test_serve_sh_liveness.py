@@ -4,8 +4,8 @@ an engine death.
 serve.sh runs the server under `memguard run` (the supervisor: guard in-process, the watchdog
 beside it). A stall: the engine core is stopped with SIGSTOP; the watchdog's probe times out, it
 stops the server's process group, and the supervisor launches the same plan again (a second
-start-up of about two minutes on two cores). A death: the engine core gets SIGKILL; vLLM's API
-server then shuts down with status 0, and the supervisor must tell that from a clean stop.
+start-up). A death: the engine core gets SIGKILL; vLLM's API server then shuts down with status 0,
+and the supervisor must tell that from a clean stop.
 """
 
 from __future__ import annotations
@@ -19,9 +19,15 @@ import urllib.request
 import pytest
 
 from magpie.serving.process import group_members
+from tests.conftest import EAGER
 from tests.serving.helpers import ServeSh
 
 pytestmark = pytest.mark.slow  # each test starts its own server through serve.sh
+
+# The servers run eager (EAGER, serve.sh's extra arguments, which a restart passes again): the
+# subject is the supervision of a stall or a death, not torch.compile, and each of the two starts
+# per test is ~30 s shorter.
+ARGS = ["--served-model-name", "tiny", *EAGER]
 
 
 def wait_until(condition, timeout: float, what: str, describe=lambda: ""):
@@ -57,7 +63,7 @@ def test_serve_sh_exits_5_with_the_reason_when_the_engine_dies_and_restarts_it_b
         "STOP_GRACE": "10",
         "MEMGUARD_MIN_AVAILABLE": "512MiB",  # a shared test machine: the engine's death is the only stop here
     }
-    server = ServeSh(tmp_path / "server.log", tiny_mtp_model, None, settings, ["--served-model-name", "tiny"])
+    server = ServeSh(tmp_path / "server.log", tiny_mtp_model, None, settings, ARGS)
     server.start()
     try:
         first = server.server_pid
@@ -89,7 +95,7 @@ def test_serve_sh_restarts_a_stalled_server_under_watchdog_restart(tmp_path, tin
         "WATCHDOG_RESTARTS": "1",
         "WATCHDOG_ARGS": "--interval 0.5 --probe-interval 2 --probe-timeout 5 --grace 20",
     }
-    server = ServeSh(tmp_path / "server.log", tiny_mtp_model, None, settings, ["--served-model-name", "tiny"])
+    server = ServeSh(tmp_path / "server.log", tiny_mtp_model, None, settings, ARGS)
     server.start()
     try:
         first = server.server_pid

@@ -25,6 +25,7 @@ import numpy
 import pytest
 
 from magpie.measure import report, trace_split
+from tests.conftest import EAGER
 from tests.serving.helpers import MEASURE, PACKAGE, PYTHON, REPO, ServeSh, counter_samples, run_tool, tool
 
 pytestmark = pytest.mark.slow
@@ -63,10 +64,14 @@ _live: list[ServeSh] = []
 
 
 def start_server(tmp: Path, name: str, model: Path, overlay: Path, settings: dict, extra=()) -> ServeSh:
-    """Start a server through serve.sh, after stopping the one started before (one at a time on 2 cores)."""
+    """Start a server through serve.sh, after stopping the one started before (one at a time on 2 cores).
+
+    Eager (EAGER, passed last as serve.sh passes extra arguments): what these tests read (outputs,
+    counters, logs, traces' step roles, PID and process tree) does not depend on torch.compile, and
+    each start is ~30 s shorter; tests/test_vllm_server.py keeps a compiled server."""
     while _live:
         _live.pop().stop()
-    args = ["--served-model-name", "tiny", "--no-enable-prefix-caching", *extra]  # MTP on CPU needs the latter
+    args = ["--served-model-name", "tiny", "--no-enable-prefix-caching", *extra, *EAGER]  # MTP on CPU needs the 2nd
     server = ServeSh(tmp / f"{name}.log", model, overlay, settings, args).start()
     _live.append(server)
     return server
@@ -175,6 +180,7 @@ def test_serve_sh_log_header_has_command_versions_and_patch_status(mtp_server, p
     assert re.search(r"^# command: .*-m vllm\.entrypoints\.cli\.main serve ", text, re.M)
     assert "--host 127.0.0.1" in text and f"--port {mtp_server.port}" in text
     assert f'num_speculative_tokens\\":\\ {MTP_TOKENS}' in text
+    assert re.search(r"^# command: .* --enforce-eager$", text, re.M), "serve.sh passes extra arguments last"
     assert re.search(r"^# vllm: 0\.29\.0", text, re.M) and re.search(r"^# torch: ", text, re.M)
     status = subprocess.run(
         [PYTHON, str(REPO / "magpie" / "patches.py"), "status", "--json", "--target", str(patched_vllm)],
@@ -214,14 +220,39 @@ def test_serve_sh_supervises_its_server_through_memguard_run(mtp_server):
     assert argv[argv.index(b"--pid-file") + 1] == str(mtp_server.pid_file).encode()
     grandparent = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
     assert grandparent == mtp_server.pid  # serve.sh
-    watchers = [
-        p
-        for p in os.listdir("/proc")
-        if p.isdigit()
-        and os.path.exists(f"/proc/{p}/cmdline")
-        and b"memguard\0watch" in Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
-    assert watchers == []
+    # Only this server's: serve.sh's descendants, or a process naming its PID or PID file (another
+    # test file may run a `memguard watch` of its own meanwhile).
+    table = processes()
+    names = (f"--pid\0{pid}\0".encode(), str(mtp_server.pid_file).encode())
+    ours = set(descendants(table, mtp_server.pid)) | {
+        p for p, (_, argv) in table.items() if any(n in argv for n in names)
+    }
+    watchers = [p for p in ours if b"memguard\0watch" in table[p][1]]
+    assert watchers == [], {p: table[p][1] for p in watchers}
+
+
+def processes() -> dict[int, tuple[int, bytes]]:
+    """Every process in /proc now: PID -> (parent PID, raw command line)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                table[int(entry)] = (ppid, Path(f"/proc/{entry}/cmdline").read_bytes())
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+    return table
+
+
+def descendants(table: dict[int, tuple[int, bytes]], root: int) -> list[int]:
+    """Every process below ROOT in TABLE (processes())."""
+    found, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (ppid, _) in table.items() if ppid == parent]
+        found += kids
+        todo += kids
+    return found
 
 
 # --------------------------------------------------------------------------------------------

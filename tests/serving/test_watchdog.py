@@ -25,6 +25,7 @@ import pytest
 from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.metrics import MetricsSnapshot
 from magpie.serving.process import VllmServer, group_members
+from tests.conftest import EAGER
 from tests.serving.helpers import PYTHON, tool
 
 
@@ -46,10 +47,11 @@ MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tok
 def server(tmp_path_factory, tiny_random_model):
     folder = tmp_path_factory.mktemp("watchdog")
     # The longest context the tiny model allows, so that one request outlasts the test's pauses; MTP
-    # on CPU needs prefix caching off.
+    # on CPU needs prefix caching off. Eager: what is watched (counters, /health, /metrics, the
+    # engine core's process) is the same compiled or not, and the start is ~30 s shorter.
     server = VllmServer(
         tiny_random_model,
-        ["--no-enable-prefix-caching", *MTP],
+        ["--no-enable-prefix-caching", *MTP, *EAGER],
         env=vllm_env(),
         log_path=folder / "server.log",
         max_model_len=4096,
@@ -84,7 +86,9 @@ def server(tmp_path_factory, tiny_random_model):
     server.stop()
 
 
-LONG_TOKENS = 4000  # a few seconds of decoding on an idle CPU: longer than the pauses below
+# Longer than the pauses below need (about 2 s of decoding between them): 2000 tokens are 40+ s of
+# eager decoding on a busy two-core VM (~45 tokens/s), and seconds on an idle fast one.
+LONG_TOKENS = 2000
 
 
 def running(server: VllmServer) -> float:
@@ -187,13 +191,25 @@ def test_watchdog_reports_a_frozen_generation_counter_while_health_stays_green(s
 
 @pytest.mark.slow
 def test_watchdog_default_probe_finds_a_stopped_idle_engine_and_stops_only_its_server(server, tmp_path):
-    # Last test of the module: it stops the server. No --probe-interval: the default probes an idle
-    # engine (its running/waiting counts, which come from the engine, read 0 once it is stopped).
+    # Last test of the module: it stops the server. The probe is on by default: a watchdog given no
+    # --probe-interval says it probes an idle engine after 60 s (its running/waiting counts, which
+    # come from the engine, read 0 once it is stopped). The watchdog that then probes is the same
+    # one with a 3 s interval instead of waiting out the default 60 s twice.
     engine = engine_core_pid(server)
+    default_log = tmp_path / "default-watchdog.log"
+    default = start_watchdog(server, default_log, "--stall-after", "600", "--probe-timeout", "5", "--on-stall", "stop")
+    try:
+        said = wait_for(default_log, "watching server PID", 60)
+        assert "or a probe after 60 idle s gets no answer within 5 s; policy stop" in said, said
+    finally:
+        default.terminate()
+    assert default.wait(timeout=30) == 0
     bystander = subprocess.Popen([PYTHON, "-c", "import time; time.sleep(300)"], start_new_session=True)
     log = tmp_path / "watchdog.log"
     assert running(server) == 0
-    watchdog = start_watchdog(server, log, "--stall-after", "600", "--probe-timeout", "5", "--on-stall", "stop")
+    watchdog = start_watchdog(
+        server, log, *("--stall-after", "600", "--probe-interval", "3", "--probe-timeout", "5", "--on-stall", "stop")
+    )
     try:
         wait_for(log, "server healthy; watching its counters", 30)
         # The probe is a request this configuration (MTP on) can take: answered, and the engine lives.
