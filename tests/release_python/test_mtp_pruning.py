@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_probe(release: str, overlay: Path, scenarios: list[dict], out: Path) -> dict:
+    """probe.py over SCENARIOS in one child with OVERLAY's tree of RELEASE first on its path."""
     cmd = [sys.executable, str(PROBE), "--out", str(out)]
     for scenario in scenarios:
         cmd += ["--scenario", json.dumps(scenario)]
@@ -69,8 +71,10 @@ def runs(request, tmp_path_factory, tiny_random_model, tokenizer_dir, release_ov
     zero_tail = with_zero_tail_head_row(Path(tiny_random_model), folder / "zero-tail")
     np.save(folder / "all-but-last.npy", np.arange(VOCAB - 1, dtype=np.int64))
     all_but_last = str(folder / "all-but-last.npy")
-    series = run_probe(
-        release,
+    # Three trees, three children (one process imports one vLLM tree); each spends ~16 s importing
+    # vLLM before it probes, so they run side by side rather than one after the other.
+    probes = {}
+    probes["series"] = (
         overlays["series"],
         [
             {"name": "config", "model": model, "keep": keep_path},
@@ -83,8 +87,7 @@ def runs(request, tmp_path_factory, tiny_random_model, tokenizer_dir, release_ov
         ],
         folder / "series.pt",
     )
-    only_0001 = run_probe(
-        release,
+    probes["0001"] = (
         overlays["0001"],
         [
             {"name": "adaptive", "model": model, "keep": keep_path, "adaptive": True, "spec_only": True},
@@ -93,18 +96,12 @@ def runs(request, tmp_path_factory, tiny_random_model, tokenizer_dir, release_ov
         ],
         folder / "0001.pt",
     )
-    stock = run_probe(
-        release, overlays["stock"], [{"name": "config", "model": model, "keep": keep_path}], folder / "stock.pt"
-    )
+    probes["stock"] = (overlays["stock"], [{"name": "config", "model": model, "keep": keep_path}], folder / "stock.pt")
+    with ThreadPoolExecutor(len(probes)) as pool:
+        done = {name: pool.submit(run_probe, release, *probe) for name, probe in probes.items()}
+        results = {name: future.result() for name, future in done.items()}
     head = load_file(Path(model) / "model.safetensors")["lm_head.weight"]
-    return {
-        "release": release,
-        "series": series,
-        "0001": only_0001,
-        "stock": stock,
-        "keep": torch.from_numpy(keep),
-        "head": head,
-    }
+    return {"release": release, **results, "keep": torch.from_numpy(keep), "head": head}
 
 
 def kept_logits(run: dict, head: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
