@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,6 @@ pytestmark = pytest.mark.slow
 
 
 def run_probe(release: str, overlay: Path, scenarios: list[dict], out: Path) -> dict:
-    """probe.py over SCENARIOS in one child with OVERLAY's tree of RELEASE first on its path."""
     cmd = [sys.executable, str(PROBE), "--out", str(out)]
     for scenario in scenarios:
         cmd += ["--scenario", json.dumps(scenario)]
@@ -71,10 +69,8 @@ def runs(request, tmp_path_factory, tiny_random_model, tokenizer_dir, release_ov
     zero_tail = with_zero_tail_head_row(Path(tiny_random_model), folder / "zero-tail")
     np.save(folder / "all-but-last.npy", np.arange(VOCAB - 1, dtype=np.int64))
     all_but_last = str(folder / "all-but-last.npy")
-    # Three trees, three children (one process imports one vLLM tree); each spends ~16 s importing
-    # vLLM before it probes, so they run side by side rather than one after the other.
-    probes = {}
-    probes["series"] = (
+    series = run_probe(
+        release,
         overlays["series"],
         [
             {"name": "config", "model": model, "keep": keep_path},
@@ -87,7 +83,8 @@ def runs(request, tmp_path_factory, tiny_random_model, tokenizer_dir, release_ov
         ],
         folder / "series.pt",
     )
-    probes["0001"] = (
+    only_0001 = run_probe(
+        release,
         overlays["0001"],
         [
             {"name": "adaptive", "model": model, "keep": keep_path, "adaptive": True, "spec_only": True},
@@ -96,12 +93,18 @@ def runs(request, tmp_path_factory, tiny_random_model, tokenizer_dir, release_ov
         ],
         folder / "0001.pt",
     )
-    probes["stock"] = (overlays["stock"], [{"name": "config", "model": model, "keep": keep_path}], folder / "stock.pt")
-    with ThreadPoolExecutor(len(probes)) as pool:
-        done = {name: pool.submit(run_probe, release, *probe) for name, probe in probes.items()}
-        results = {name: future.result() for name, future in done.items()}
+    stock = run_probe(
+        release, overlays["stock"], [{"name": "config", "model": model, "keep": keep_path}], folder / "stock.pt"
+    )
     head = load_file(Path(model) / "model.safetensors")["lm_head.weight"]
-    return {"release": release, **results, "keep": torch.from_numpy(keep), "head": head}
+    return {
+        "release": release,
+        "series": series,
+        "0001": only_0001,
+        "stock": stock,
+        "keep": torch.from_numpy(keep),
+        "head": head,
+    }
 
 
 def kept_logits(run: dict, head: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
