@@ -22,6 +22,7 @@ import pytest
 
 from magpie.demo.demo_overlay import vllm_env
 from magpie.mtp_pruning import bench_pruned
+from tests.conftest import EAGER
 from tests.serving.helpers import tool
 
 pytestmark = pytest.mark.slow
@@ -41,6 +42,9 @@ def bench_run(tmp_path_factory, tiny_mtp_model, pruning_overlay):
     cmd = [*tool("bench-pruned"), "--model", str(tiny_mtp_model), "--keepset", str(keep)]
     cmd += ["--num-speculative-tokens", str(K), "-n", "3", "--max-tokens", str(MAX_TOKENS)]
     cmd += ["--server-arg=--no-enable-prefix-caching", "--server-arg=--max-model-len=512"]
+    # Both servers eager: what is compared (texts, acceptance, logs, engine decode rates) does not
+    # depend on torch.compile, and the compile warm-up was most of each start.
+    cmd += [f"--server-arg={arg}" for arg in EAGER]
     cmd += ["--startup-timeout", "600", "--log-dir", str(folder / "logs"), "--output", str(output)]
     proc = subprocess.run(cmd, env=vllm_env(pruning_overlay), capture_output=True, text=True, timeout=1500, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]

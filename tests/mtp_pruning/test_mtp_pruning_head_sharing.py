@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.process import VllmServer
+from tests.conftest import EAGER
 from tests.mtp_pruning.pruning_helpers import with_zero_tail_head_row
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,8 @@ def served(tmp_path_factory, tiny_mtp_model, pruning_overlay):
     log = folder / "server.log"
     server = VllmServer(
         model,
-        ["--speculative-config", json.dumps(spec), "--no-enable-prefix-caching"],
+        # Eager: sharing is decided when the draft loads, before any compile.
+        ["--speculative-config", json.dumps(spec), "--no-enable-prefix-caching", *EAGER],
         env=vllm_env(pruning_overlay),
         log_path=log,
     ).start(timeout=600)

@@ -22,6 +22,7 @@ import pytest
 from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.metrics import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS, MetricsSnapshot
 from magpie.serving.process import VllmServer
+from tests.conftest import EAGER
 from tests.mtp_pruning.pruning_helpers import run_script
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,9 @@ def serve(model: Path, overlay: Path, log: Path, keep: Path | None = None) -> Vl
     spec = {"method": "mtp", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
     if keep is not None:
         spec["draft_vocab_path"] = str(keep)
-    args = ["--speculative-config", json.dumps(spec), "--no-enable-prefix-caching"]
+    # Eager: the greedy texts, acceptance and log lines compared here do not depend on
+    # torch.compile (the pruned head's logits are computed outside the compiled forward).
+    args = ["--speculative-config", json.dumps(spec), "--no-enable-prefix-caching", *EAGER]
     return VllmServer(model, args, env=vllm_env(overlay), log_path=log).start(timeout=600)
 
 

