@@ -9,6 +9,7 @@ The tests start this script with a patched vLLM overlay (or the pristine venv) o
     python ple_runner.py fp8         CHECKPOINT OUT.json
     python ple_runner.py model_state CHECKPOINT OUT.pt     (patch 0002: Qwen4ExpModelState drives the stage)
     python ple_runner.py strategies  CHECKPOINT OUT.json   (--safetensors-load-strategy under ple_mmap)
+    python ple_runner.py batch       JOBS.json  OUT.json   (several of the above in this one process)
 
 The layer is built the way vLLM builds it: a real `VllmConfig` from the checkpoint's
 config.json (`hf_overrides={"ple_mmap": True}` is what `--hf-overrides` sets), the
@@ -74,8 +75,12 @@ def make_vllm_config(checkpoint, ple_mmap, load_strategy=None, load_format="auto
 def init_distributed(rank=0, world_size=1, port=None):
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.utils.network_utils import get_open_port
 
+    if model_parallel_is_initialized():  # an earlier job of the same batch process
+        assert world_size == 1, "a batch runs single-rank jobs only"
+        return
     if get_current_vllm_config_or_none() is None:
         with set_current_vllm_config(VllmConfig()):
             return init_distributed(rank, world_size, port)
@@ -343,10 +348,19 @@ def cmd_config(args) -> dict:
 
     on_cpu = make_vllm_config(args.checkpoint, args.ple_mmap)
     # The CPU platform has no CUDA graphs and resolves every mode to NONE. Answer the one
-    # platform question as CUDA platforms do, so that VllmConfig resolves the mode as on a GPU.
-    type(current_platform).support_static_graph_mode = classmethod(lambda cls: True)
-    default = make_vllm_config(args.checkpoint, args.ple_mmap)
-    full = make_vllm_config(args.checkpoint, args.ple_mmap, cudagraph_mode="FULL_AND_PIECEWISE")
+    # platform question as CUDA platforms do, so that VllmConfig resolves the mode as on a GPU
+    # (for this job only: a batch's later jobs get the CPU platform's answer back).
+    platform = type(current_platform)
+    own = platform.__dict__.get("support_static_graph_mode")
+    platform.support_static_graph_mode = classmethod(lambda cls: True)
+    try:
+        default = make_vllm_config(args.checkpoint, args.ple_mmap)
+        full = make_vllm_config(args.checkpoint, args.ple_mmap, cudagraph_mode="FULL_AND_PIECEWISE")
+    finally:
+        if own is None:
+            del platform.support_static_graph_mode
+        else:
+            platform.support_static_graph_mode = own
     return {
         "cpu_platform_mode": on_cpu.compilation_config.cudagraph_mode.name,
         "cudagraph_mode": default.compilation_config.cudagraph_mode.name,
@@ -549,8 +563,16 @@ def cmd_strategies(args) -> dict:
 
     files = sorted(str(p) for p in Path(args.checkpoint).glob("*.safetensors"))
     prefetched: list[list[str]] = []
+    saved = weight_utils._get_fs_type, weight_utils._prefetch_all_checkpoints  # put back after (batch)
     weight_utils._get_fs_type = lambda paths: "nfs"
     weight_utils._prefetch_all_checkpoints = lambda paths, **kwargs: prefetched.append(list(paths))
+    try:
+        return strategy_outcomes(args, weight_utils, files, prefetched)
+    finally:
+        weight_utils._get_fs_type, weight_utils._prefetch_all_checkpoints = saved
+
+
+def strategy_outcomes(args, weight_utils, files, prefetched) -> dict:
     results = {}
     for strategy in (None, "lazy", "prefetch", "eager", "torchao"):
         key = str(strategy)
@@ -570,10 +592,39 @@ def cmd_strategies(args) -> dict:
     return results
 
 
+def cmd_batch(args) -> dict:
+    """Jobs ({name: [argv of main(), log file]}) run one after the other in this process: one
+    vLLM import for all. Each job's stdout and stderr (file descriptors 1 and 2, so vLLM's log
+    lines too) go to its own log file; its outcome is recorded, not raised, so that a failing
+    job fails only the tests that read it: {name: None, or the traceback}."""
+    report = {}
+    for name, (argv, log_path) in json.loads(Path(args.checkpoint).read_text()).items():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(log_path, "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                main(argv)
+                report[name] = None
+            except BaseException:  # noqa: BLE001  (argparse exits too: recorded for the job's test)
+                report[name] = traceback.format_exc()[-6000:]
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["forward", "memory", "config", "refusals", "fp8", "model_state", "strategies"])
-    parser.add_argument("checkpoint", help="checkpoint folder (refusals: a JSON file of cases)")
+    modes = ["forward", "memory", "config", "refusals", "fp8", "model_state", "strategies", "batch"]
+    parser.add_argument("mode", choices=modes)
+    parser.add_argument("checkpoint", help="checkpoint folder (refusals: a JSON file of cases; batch: of jobs)")
     parser.add_argument("out")
     parser.add_argument("--ple-mmap", action="store_true")
     parser.add_argument("--stage", action="store_true", help="stage rows before each forward (patch 0002)")
@@ -586,6 +637,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     modes = {"forward": cmd_forward, "memory": cmd_memory, "config": cmd_config}
     modes.update(refusals=cmd_refusals, fp8=cmd_fp8, model_state=cmd_model_state, strategies=cmd_strategies)
+    modes.update(batch=cmd_batch)
     result = modes[args.mode](args)
     if args.mode not in ("forward", "model_state"):
         Path(args.out).write_text(json.dumps(result, indent=1))
