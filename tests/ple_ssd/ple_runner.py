@@ -3,6 +3,7 @@
 The tests start this script with a patched vLLM overlay (or the pristine venv) on PYTHONPATH:
 
     python ple_runner.py forward  CHECKPOINT OUT.pt [--ple-mmap [--stage]] [--tp-rank R --tp-size N --port P]
+                                  [--stock-out STOCK.pt]   (the stock layer first, in the same process)
     python ple_runner.py memory      CHECKPOINT OUT.json
     python ple_runner.py config      CHECKPOINT OUT.json [--ple-mmap]
     python ple_runner.py refusals    CASES.json OUT.json
@@ -78,8 +79,10 @@ def init_distributed(rank=0, world_size=1, port=None):
     from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.utils.network_utils import get_open_port
 
-    if model_parallel_is_initialized():  # an earlier job of the same batch process
-        assert world_size == 1, "a batch runs single-rank jobs only"
+    if model_parallel_is_initialized():  # an earlier layer or job of the same process
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        assert get_tensor_model_parallel_world_size() == world_size, "one process, one tensor-parallel size"
         return
     if get_current_vllm_config_or_none() is None:
         with set_current_vllm_config(VllmConfig()):
@@ -198,9 +201,17 @@ def run_steps(layer, vllm_config, steps, seed: int, stage: bool) -> dict:
 
 
 def cmd_forward(args) -> dict:
+    if args.stock_out:
+        # The layer without ple_mmap first, in this process and its tensor-parallel group, before
+        # any ple_mmap layer exists (so nothing of one can reach the stock outputs).
+        forward(args, False, False, args.stock_out)
+    return forward(args, args.ple_mmap, args.stage, args.out)
+
+
+def forward(args, ple_mmap: bool, stage: bool, out) -> dict:
     from vllm.config import set_current_vllm_config
 
-    vllm_config = make_vllm_config(args.checkpoint, args.ple_mmap, tp_size=args.tp_size)
+    vllm_config = make_vllm_config(args.checkpoint, ple_mmap, tp_size=args.tp_size)
     config = vllm_config.model_config.hf_text_config
     steps = make_steps(args.seed, config.vocab_size, config.eos_token_id)
     with set_current_vllm_config(vllm_config):
@@ -214,8 +225,8 @@ def cmd_forward(args) -> dict:
         for variant in variants:
             for name, value in {**shipped, **VARIANTS[variant]}.items():
                 setattr(table, name, value)
-            results[variant] = run_steps(layer, vllm_config, steps, args.seed, args.stage)
-    torch.save(results, args.out)
+            results[variant] = run_steps(layer, vllm_config, steps, args.seed, stage)
+    torch.save(results, out)
     return {"variants": variants, "steps": len(steps), "table_type": results["table_type"]}
 
 
@@ -592,13 +603,13 @@ def strategy_outcomes(args, weight_utils, files, prefetched) -> dict:
     return results
 
 
-def cmd_batch(args) -> dict:
-    """Jobs ({name: [argv of main(), log file]}) run one after the other in this process: one
-    vLLM import for all. Each job's stdout and stderr (file descriptors 1 and 2, so vLLM's log
-    lines too) go to its own log file; its outcome is recorded, not raised, so that a failing
-    job fails only the tests that read it: {name: None, or the traceback}."""
+def run_jobs(jobs: dict, main) -> dict:
+    """Jobs ({name: [argv of main, log file]}) run one after the other in this process: one vLLM
+    import for all. Each job's stdout and stderr (file descriptors 1 and 2, so vLLM's log lines
+    too) go to its own log file; its outcome is recorded, not raised, so that a failing job fails
+    only the tests that read it: {name: None, or the traceback}. (test_ple34.py's child too.)"""
     report = {}
-    for name, (argv, log_path) in json.loads(Path(args.checkpoint).read_text()).items():
+    for name, (argv, log_path) in jobs.items():
         sys.stdout.flush()
         sys.stderr.flush()
         saved = os.dup(1), os.dup(2)
@@ -620,6 +631,10 @@ def cmd_batch(args) -> dict:
     return report
 
 
+def cmd_batch(args) -> dict:
+    return run_jobs(json.loads(Path(args.checkpoint).read_text()), main)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = ["forward", "memory", "config", "refusals", "fp8", "model_state", "strategies", "batch"]
@@ -633,6 +648,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--stock-out", default=None, help="forward: the stock layer's outputs first, to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     modes = {"forward": cmd_forward, "memory": cmd_memory, "config": cmd_config}

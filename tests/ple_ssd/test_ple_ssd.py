@@ -599,18 +599,23 @@ def test_fp8_table_with_global_scale_is_bit_exact(patched_runs, patches):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkpoint, pristine):
+def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkpoint, pristine, tmp_path):
+    # Each rank is a process of its own (two per run, over gloo). The stock layer (no ple_mmap)
+    # runs in the 0001+0002 ranks' processes, before their ple_mmap layer (--stock-out): one
+    # pair of vLLM imports fewer; the 0001 ranks are other processes, compared with it too.
     runs = {}
+    stock_out = [tmp_path / f"stock-rank{r}.pt" for r in (0, 1)]
     for name, overlay, flags in [
-        ("stock", overlays["0002"], []),
         ("0001", overlays["0001"], ["--ple-mmap"]),
         ("0001+0002", overlays["0002"], ["--ple-mmap", "--stage"]),
     ]:
         for attempt in range(3):  # a free port can be taken by another process before rank 0 binds it
             port = free_port()
             args = [*flags, "--tp-size", 2, "--port", port]
+            stock = [("--stock-out", stock_out[r]) if name == "0001+0002" else () for r in (0, 1)]
             started = [
-                run_ple(overlay, "forward", ple_checkpoint, *args, "--tp-rank", r, background=True) for r in (0, 1)
+                run_ple(overlay, "forward", ple_checkpoint, *args, "--tp-rank", r, *stock[r], background=True)
+                for r in (0, 1)
             ]
             logs = [(proc, out, *proc.communicate(timeout=900)) for proc, out in started]
             if all(proc.returncode == 0 for proc, *_ in logs) or attempt == 2:
@@ -620,6 +625,10 @@ def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkp
         for rank, (proc, out, stdout, stderr) in enumerate(logs):
             assert proc.returncode == 0, (name, rank, (stdout + stderr)[-6000:])
             runs[name, rank] = torch.load(out)["default"]
+            if name == "0001+0002":
+                stock_run = torch.load(stock_out[rank])
+                assert not stock_run["ple_mmap"] and stock_run["table_type"] == "PLEVocabParallelEmbedding"
+                runs["stock", rank] = stock_run["default"]
     for rank in (0, 1):
         for name in ("0001", "0001+0002"):
             got, want = runs[name, rank], runs["stock", rank]
