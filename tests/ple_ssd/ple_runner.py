@@ -22,11 +22,13 @@ own `safetensors_weights_iterator`, loaded with `AutoWeightsLoader`, then vLLM's
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
 import re
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -88,13 +90,21 @@ def init_distributed(rank=0, world_size=1, port=None):
         with set_current_vllm_config(VllmConfig()):
             return init_distributed(rank, world_size, port)
 
-    port = port or get_open_port()
+    if world_size == 1 and port is None:
+        # One rank: a rendezvous file of this process's own, no TCP port that a test running
+        # beside this one could take between choosing it and binding it.
+        rendezvous = tempfile.mktemp(prefix="ple-ssd-dist-")
+        atexit.register(lambda: Path(rendezvous).unlink(missing_ok=True))
+        method, ident = f"file://{rendezvous}", f"ple_ssd-test-pid{os.getpid()}"
+    else:
+        port = port or get_open_port()
+        method, ident = f"tcp://127.0.0.1:{port}", f"ple_ssd-test-{port}"
     # The CPU worker sets this for its shared-memory communicator: one name per group.
-    os.environ.setdefault("VLLM_DIST_IDENT", f"ple_ssd-test-{port}")
+    os.environ.setdefault("VLLM_DIST_IDENT", ident)
     init_distributed_environment(
         world_size=world_size,
         rank=rank,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        distributed_init_method=method,
         local_rank=rank,
         backend="gloo",
     )

@@ -116,6 +116,7 @@ def make_config(checkpoint: Path, engram: dict | None, strategy=None, load_forma
 
 
 def init_distributed(config) -> None:
+    import atexit
     import tempfile
 
     from vllm.config import set_current_vllm_config
@@ -124,13 +125,15 @@ def init_distributed(config) -> None:
 
     if model_parallel_is_initialized():  # an earlier scenario of the same batch child
         return
+    rendezvous = tempfile.mktemp(prefix="ple-033-")
+    atexit.register(lambda: Path(rendezvous).unlink(missing_ok=True))
     with set_current_vllm_config(config):
         init_distributed_environment(
             world_size=1,
             rank=0,
             local_rank=0,
             backend="gloo",
-            distributed_init_method=f"file://{tempfile.mktemp(prefix='ple-033-')}",
+            distributed_init_method=f"file://{rendezvous}",
         )
         initialize_model_parallel(1, 1)
 
