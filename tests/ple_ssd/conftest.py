@@ -22,6 +22,36 @@ RUNNER = HERE / "ple_runner.py"
 SMALL_BASE = 2_000  # ~33k rows, 10 MB: enough for the refusal and FP8 cases
 
 
+class JobResult:
+    """One job of a batch child: its output file and its own log (what it wrote to fd 1 and 2)."""
+
+    def __init__(self, out: Path, log: str):
+        self.out = out
+        self.log = log
+
+    def json(self) -> dict:
+        return json.loads(self.out.read_text())
+
+    def tensors(self) -> dict:
+        return torch.load(self.out)
+
+
+class Batch:
+    """batch(name) -> JobResult of that job, or fails the calling test with the job's traceback."""
+
+    def __init__(self, command: list[str], jobs: dict, report: dict):
+        self.command, self.jobs, self.report = command, jobs, report
+
+    def __call__(self, name: str) -> JobResult:
+        argv, log_path = self.jobs[name]
+        log = Path(log_path).read_text()
+        if self.report[name] is not None:
+            pytest.fail(
+                f"job {name} ({' '.join(argv)}) of {' '.join(self.command)} failed:\n{log[-4000:]}\n{self.report[name]}"
+            )
+        return JobResult(Path(argv[2]), log)
+
+
 class RunResult:
     def __init__(self, proc: subprocess.CompletedProcess, out: Path):
         self.proc = proc
@@ -93,5 +123,30 @@ def run_ple(tmp_path_factory):
         if proc.returncode != 0:
             pytest.fail(f"{' '.join(command)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
         return RunResult(proc, out)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def run_ple_batch(tmp_path_factory):
+    """run_ple_batch(overlay, {name: (mode, target, *args)}) -> Batch: the jobs run in order in
+    one ple_runner child (one vLLM import instead of one per job), each with its own log."""
+    scratch = tmp_path_factory.mktemp("ple-batches")
+    counter = iter(range(10_000))
+
+    def run(overlay, jobs: dict, timeout=900) -> Batch:
+        folder = scratch / f"batch-{next(counter)}"
+        folder.mkdir()
+        argvs = {}
+        for name, (mode, target, *args) in jobs.items():
+            out = folder / f"{name}.{'pt' if mode in ('forward', 'model_state') else 'json'}"
+            argvs[name] = ([mode, str(target), str(out), *map(str, args)], str(folder / f"{name}.log"))
+        (folder / "jobs.json").write_text(json.dumps(argvs, indent=1))
+        report = folder / "report.json"
+        command = [sys.executable, str(RUNNER), "batch", str(folder / "jobs.json"), str(report)]
+        proc = subprocess.run(command, env=vllm_env(overlay), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            pytest.fail(f"{' '.join(command)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+        return Batch(command, argvs, json.loads(report.read_text()))
 
     return run

@@ -3,12 +3,14 @@
 The tests start this script with a patched vLLM overlay (or the pristine venv) on PYTHONPATH:
 
     python ple_runner.py forward  CHECKPOINT OUT.pt [--ple-mmap [--stage]] [--tp-rank R --tp-size N --port P]
+                                  [--stock-out STOCK.pt]   (the stock layer first, in the same process)
     python ple_runner.py memory      CHECKPOINT OUT.json
     python ple_runner.py config      CHECKPOINT OUT.json [--ple-mmap]
     python ple_runner.py refusals    CASES.json OUT.json
     python ple_runner.py fp8         CHECKPOINT OUT.json
     python ple_runner.py model_state CHECKPOINT OUT.pt     (patch 0002: Qwen4ExpModelState drives the stage)
     python ple_runner.py strategies  CHECKPOINT OUT.json   (--safetensors-load-strategy under ple_mmap)
+    python ple_runner.py batch       JOBS.json  OUT.json   (several of the above in this one process)
 
 The layer is built the way vLLM builds it: a real `VllmConfig` from the checkpoint's
 config.json (`hf_overrides={"ple_mmap": True}` is what `--hf-overrides` sets), the
@@ -20,11 +22,13 @@ own `safetensors_weights_iterator`, loaded with `AutoWeightsLoader`, then vLLM's
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
 import re
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -74,19 +78,33 @@ def make_vllm_config(checkpoint, ple_mmap, load_strategy=None, load_format="auto
 def init_distributed(rank=0, world_size=1, port=None):
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.utils.network_utils import get_open_port
 
+    if model_parallel_is_initialized():  # an earlier layer or job of the same process
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        assert get_tensor_model_parallel_world_size() == world_size, "one process, one tensor-parallel size"
+        return
     if get_current_vllm_config_or_none() is None:
         with set_current_vllm_config(VllmConfig()):
             return init_distributed(rank, world_size, port)
 
-    port = port or get_open_port()
+    if world_size == 1 and port is None:
+        # One rank: a rendezvous file of this process's own, no TCP port that a test running
+        # beside this one could take between choosing it and binding it.
+        rendezvous = tempfile.mktemp(prefix="ple-ssd-dist-")
+        atexit.register(lambda: Path(rendezvous).unlink(missing_ok=True))
+        method, ident = f"file://{rendezvous}", f"ple_ssd-test-pid{os.getpid()}"
+    else:
+        port = port or get_open_port()
+        method, ident = f"tcp://127.0.0.1:{port}", f"ple_ssd-test-{port}"
     # The CPU worker sets this for its shared-memory communicator: one name per group.
-    os.environ.setdefault("VLLM_DIST_IDENT", f"ple_ssd-test-{port}")
+    os.environ.setdefault("VLLM_DIST_IDENT", ident)
     init_distributed_environment(
         world_size=world_size,
         rank=rank,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        distributed_init_method=method,
         local_rank=rank,
         backend="gloo",
     )
@@ -193,9 +211,17 @@ def run_steps(layer, vllm_config, steps, seed: int, stage: bool) -> dict:
 
 
 def cmd_forward(args) -> dict:
+    if args.stock_out:
+        # The layer without ple_mmap first, in this process and its tensor-parallel group, before
+        # any ple_mmap layer exists (so nothing of one can reach the stock outputs).
+        forward(args, False, False, args.stock_out)
+    return forward(args, args.ple_mmap, args.stage, args.out)
+
+
+def forward(args, ple_mmap: bool, stage: bool, out) -> dict:
     from vllm.config import set_current_vllm_config
 
-    vllm_config = make_vllm_config(args.checkpoint, args.ple_mmap, tp_size=args.tp_size)
+    vllm_config = make_vllm_config(args.checkpoint, ple_mmap, tp_size=args.tp_size)
     config = vllm_config.model_config.hf_text_config
     steps = make_steps(args.seed, config.vocab_size, config.eos_token_id)
     with set_current_vllm_config(vllm_config):
@@ -209,8 +235,8 @@ def cmd_forward(args) -> dict:
         for variant in variants:
             for name, value in {**shipped, **VARIANTS[variant]}.items():
                 setattr(table, name, value)
-            results[variant] = run_steps(layer, vllm_config, steps, args.seed, args.stage)
-    torch.save(results, args.out)
+            results[variant] = run_steps(layer, vllm_config, steps, args.seed, stage)
+    torch.save(results, out)
     return {"variants": variants, "steps": len(steps), "table_type": results["table_type"]}
 
 
@@ -343,10 +369,19 @@ def cmd_config(args) -> dict:
 
     on_cpu = make_vllm_config(args.checkpoint, args.ple_mmap)
     # The CPU platform has no CUDA graphs and resolves every mode to NONE. Answer the one
-    # platform question as CUDA platforms do, so that VllmConfig resolves the mode as on a GPU.
-    type(current_platform).support_static_graph_mode = classmethod(lambda cls: True)
-    default = make_vllm_config(args.checkpoint, args.ple_mmap)
-    full = make_vllm_config(args.checkpoint, args.ple_mmap, cudagraph_mode="FULL_AND_PIECEWISE")
+    # platform question as CUDA platforms do, so that VllmConfig resolves the mode as on a GPU
+    # (for this job only: a batch's later jobs get the CPU platform's answer back).
+    platform = type(current_platform)
+    own = platform.__dict__.get("support_static_graph_mode")
+    platform.support_static_graph_mode = classmethod(lambda cls: True)
+    try:
+        default = make_vllm_config(args.checkpoint, args.ple_mmap)
+        full = make_vllm_config(args.checkpoint, args.ple_mmap, cudagraph_mode="FULL_AND_PIECEWISE")
+    finally:
+        if own is None:
+            del platform.support_static_graph_mode
+        else:
+            platform.support_static_graph_mode = own
     return {
         "cpu_platform_mode": on_cpu.compilation_config.cudagraph_mode.name,
         "cudagraph_mode": default.compilation_config.cudagraph_mode.name,
@@ -549,8 +584,16 @@ def cmd_strategies(args) -> dict:
 
     files = sorted(str(p) for p in Path(args.checkpoint).glob("*.safetensors"))
     prefetched: list[list[str]] = []
+    saved = weight_utils._get_fs_type, weight_utils._prefetch_all_checkpoints  # put back after (batch)
     weight_utils._get_fs_type = lambda paths: "nfs"
     weight_utils._prefetch_all_checkpoints = lambda paths, **kwargs: prefetched.append(list(paths))
+    try:
+        return strategy_outcomes(args, weight_utils, files, prefetched)
+    finally:
+        weight_utils._get_fs_type, weight_utils._prefetch_all_checkpoints = saved
+
+
+def strategy_outcomes(args, weight_utils, files, prefetched) -> dict:
     results = {}
     for strategy in (None, "lazy", "prefetch", "eager", "torchao"):
         key = str(strategy)
@@ -570,10 +613,43 @@ def cmd_strategies(args) -> dict:
     return results
 
 
+def run_jobs(jobs: dict, main) -> dict:
+    """Jobs ({name: [argv of main, log file]}) run one after the other in this process: one vLLM
+    import for all. Each job's stdout and stderr (file descriptors 1 and 2, so vLLM's log lines
+    too) go to its own log file; its outcome is recorded, not raised, so that a failing job fails
+    only the tests that read it: {name: None, or the traceback}. (test_ple34.py's child too.)"""
+    report = {}
+    for name, (argv, log_path) in jobs.items():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(log_path, "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                main(argv)
+                report[name] = None
+            except BaseException:  # noqa: BLE001  (argparse exits too: recorded for the job's test)
+                report[name] = traceback.format_exc()[-6000:]
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+    return report
+
+
+def cmd_batch(args) -> dict:
+    return run_jobs(json.loads(Path(args.checkpoint).read_text()), main)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["forward", "memory", "config", "refusals", "fp8", "model_state", "strategies"])
-    parser.add_argument("checkpoint", help="checkpoint folder (refusals: a JSON file of cases)")
+    modes = ["forward", "memory", "config", "refusals", "fp8", "model_state", "strategies", "batch"]
+    parser.add_argument("mode", choices=modes)
+    parser.add_argument("checkpoint", help="checkpoint folder (refusals: a JSON file of cases; batch: of jobs)")
     parser.add_argument("out")
     parser.add_argument("--ple-mmap", action="store_true")
     parser.add_argument("--stage", action="store_true", help="stage rows before each forward (patch 0002)")
@@ -582,10 +658,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--stock-out", default=None, help="forward: the stock layer's outputs first, to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     modes = {"forward": cmd_forward, "memory": cmd_memory, "config": cmd_config}
     modes.update(refusals=cmd_refusals, fp8=cmd_fp8, model_state=cmd_model_state, strategies=cmd_strategies)
+    modes.update(batch=cmd_batch)
     result = modes[args.mode](args)
     if args.mode not in ("forward", "model_state"):
         Path(args.out).write_text(json.dumps(result, indent=1))

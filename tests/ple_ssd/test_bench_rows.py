@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,8 +49,19 @@ def test_prints_upstream_and_ours_side_by_side_warm_and_cold(tmp_path):
         assert r["repeats"] == 3 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
 
 
-def test_refuses_too_few_repeats_and_more_rows_than_the_table():
-    proc = bench_rows("--repeats", "2")
-    assert proc.returncode == 2 and "--repeats must be at least 3" in proc.stderr
-    proc = bench_rows("--table-mib", "1", "--rows", "100000")
-    assert proc.returncode == 2 and "--rows 100000 exceeds the table's 3276 rows: raise --table-mib" in proc.stderr
+def refusal(capsys, *args: str) -> tuple[object, str]:
+    """The exit status and stderr of the tool's main: in this process, as the refusals come from
+    argparse before any work (sys.exit(main()) exits with the same status; the test above runs
+    the tool as `python -m`)."""
+    from magpie.ple_ssd import bench_rows as tool
+
+    with pytest.raises(SystemExit) as exited:
+        tool.main(list(args))
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_refuses_too_few_repeats_and_more_rows_than_the_table(capsys):
+    code, err = refusal(capsys, "--repeats", "2")
+    assert code == 2 and "--repeats must be at least 3" in err
+    code, err = refusal(capsys, "--table-mib", "1", "--rows", "100000")
+    assert code == 2 and "--rows 100000 exceeds the table's 3276 rows: raise --table-mib" in err

@@ -268,8 +268,8 @@ def cmd_dtype(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["rows", "config", "dtype"])
-    parser.add_argument("dir")
+    parser.add_argument("scenario", choices=["rows", "config", "dtype", "batch"])
+    parser.add_argument("dir", help="batch: a JSON file of {name: [argv of a scenario, its log file]}")
     parser.add_argument("out")
     parser.add_argument("--kind", default="bf16", choices=["bf16", "fp8", "nvfp4"])
     parser.add_argument("--seed", type=int, default=0)
@@ -277,7 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM's own logging setup leaves it at WARNING here: the patch's INFO lines are asserted.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     logging.getLogger("vllm").setLevel(logging.INFO)
-    result = globals()[f"cmd_{args.scenario}"](args)
+    if args.scenario == "batch":  # the scenarios in this one process (one vLLM import), each logged apart
+        from tests.ple_ssd.ple_runner import run_jobs
+
+        result = run_jobs(json.loads(Path(args.dir).read_text()), main)
+    else:
+        result = globals()[f"cmd_{args.scenario}"](args)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
@@ -303,34 +308,62 @@ def trees(tmp_path_factory):
     return {"patched": _overlay(root / "patched", True), "stock": _overlay(root / "stock", False)}
 
 
-def _child(tree: Path, scenario: str, folder: Path, *options: str) -> dict:
-    out = folder / f"{scenario}-{'-'.join(options) or 'default'}.json"
+def _batch(tree: Path, folder: Path, jobs: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """The jobs ({name: (scenario, *options)}) run in one child of the tree, each in a folder of
+    its own and with its own log: {name: result, its log under "_log"; or its "_error"}."""
+    argvs = {}
+    for name, (scenario, *options) in jobs.items():
+        (folder / name).mkdir()
+        argv = [scenario, str(folder / name / "ckpt"), str(folder / name / "out.json"), *options]
+        argvs[name] = (argv, str(folder / name / "log.txt"))
+    (folder / "jobs.json").write_text(json.dumps(argvs, indent=1))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(REPO)]), "VLLM_LOGGING_LEVEL": "INFO"}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__)), scenario, str(folder / "ckpt"), str(out), *options],
+        [sys.executable, str(Path(__file__)), "batch", str(folder / "jobs.json"), str(folder / "report.json")],
         capture_output=True,
         text=True,
         env=env,
         cwd=folder,
-        timeout=600,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(out.read_text())
-    result["_log"] = proc.stdout + proc.stderr
-    return result
+    report = json.loads((folder / "report.json").read_text())
+    results = {}
+    for name in jobs:
+        log = (folder / name / "log.txt").read_text()
+        if report[name] is None:
+            results[name] = {**json.loads((folder / name / "out.json").read_text()), "_log": log}
+        else:
+            results[name] = {"_error": f"{' '.join(argvs[name][0])} failed:\n{log[-3000:]}\n{report[name]}"}
+    return results
+
+
+JOBS = {
+    "patched": {
+        "config": ("config",),
+        "dtype": ("dtype",),
+        **{f"rows_{kind}": ("rows", "--kind", kind) for kind in ("bf16", "fp8", "nvfp4")},
+    },
+    "stock": {"config": ("config",)},
+}
 
 
 @pytest.fixture(scope="module")
-def child(tmp_path_factory):
-    """_child, each (tree, scenario, options) run once per module, in a folder of its own: two
-    tests read the patched config run and two the NVFP4 rows run (one vLLM child each)."""
-    runs: dict[tuple, dict] = {}
+def child(trees, tmp_path_factory):
+    """child(tree, scenario, *options): the result of that run. Each tree's runs (JOBS) are jobs
+    of one child process (a vLLM import costs ~16 s here); a job that failed fails only its tests."""
+    runs: dict[str, dict] = {}
 
     def run(tree: Path, scenario: str, *options: str) -> dict:
-        key = (str(tree), scenario, options)
-        if key not in runs:
-            runs[key] = _child(tree, scenario, tmp_path_factory.mktemp(scenario), *options)
-        return runs[key]
+        which = "patched" if tree == trees["patched"] else "stock"
+        names = [name for name, job in JOBS[which].items() if job == (scenario, *options)]
+        assert names, f"no job {(scenario, *options)} in JOBS[{which!r}]"
+        if which not in runs:
+            runs[which] = _batch(tree, tmp_path_factory.mktemp(f"v034-{which}"), JOBS[which])
+        result = runs[which][names[0]]
+        if "_error" in result:
+            pytest.fail(result["_error"])
+        return result
 
     return run
 

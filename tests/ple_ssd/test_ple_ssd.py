@@ -355,15 +355,84 @@ def test_page_ranges_follow_the_kernels_page_size_64k_included():
 # --------------------------------------------------------------------------- vLLM, patched
 
 
+# Each vLLM tree's (stock, 0001, 0001 + 0002) single-process checks run as jobs of one child per
+# tree (a vLLM import costs ~16 s here), each job with its own log and outcome; the inactive
+# forward runs first in its child, before any ple_mmap job. Not batched: the memory test (what
+# stays resident is measured in a process that loaded nothing else) and the tensor-parallel test
+# (its ranks are processes of their own).
 @pytest.fixture(scope="module")
-def pristine(run_ple, ple_checkpoint):
-    return run_ple(None, "forward", ple_checkpoint).tensors()["default"]
+def stock_runs(run_ple_batch, ple_checkpoint, small_checkpoints):
+    good = small_checkpoints["good"]
+    jobs = {
+        "forward": ("forward", ple_checkpoint),
+        "strategies": ("strategies", good),
+        "config": ("config", good, "--ple-mmap"),
+    }
+    return run_ple_batch(None, jobs)
+
+
+def fp8_jobs(small_checkpoints, *stage):
+    return {
+        "fp8": ("fp8", small_checkpoints["fp8"], *stage),
+        "fp8_no_scale": ("fp8", small_checkpoints["fp8_no_scale"], *stage),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs_0001(run_ple_batch, overlays, ple_checkpoint, small_checkpoints):
+    jobs = {
+        "inactive": ("forward", ple_checkpoint),
+        "lookup": ("forward", ple_checkpoint, "--ple-mmap", "--variants", "default,dedup,pool"),
+        "config": ("config", small_checkpoints["good"], "--ple-mmap"),
+        **fp8_jobs(small_checkpoints),
+    }
+    return run_ple_batch(overlays["0001"], jobs)
+
+
+@pytest.fixture(scope="module")
+def runs_0002(run_ple_batch, overlays, ple_checkpoint, small_checkpoints, tmp_path_factory):
+    good = str(small_checkpoints["good"])
+    cases = [
+        {"name": "eager", "checkpoint": good, "load_strategy": "eager"},
+        {"name": "dummy", "checkpoint": good, "load_format": "dummy"},
+        {"name": "copied_rows", "checkpoint": good, "load_strategy_after_hook": "eager"},
+        {"name": "missing", "checkpoint": str(small_checkpoints["missing_shards"])},
+        {"name": "shape", "checkpoint": str(small_checkpoints["bad_shape"])},
+        {"name": "index", "checkpoint": str(small_checkpoints["bad_index"])},
+        {"name": "dtype", "checkpoint": str(small_checkpoints["fp16_table"])},
+        {"name": "reload", "checkpoint": good, "reload": True},
+        {"name": "good", "checkpoint": good},
+    ]
+    cases_file = tmp_path_factory.mktemp("refusal-cases") / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    variants = "default,pool,tensor_hash,calling_thread"
+    jobs = {
+        "inactive": ("forward", ple_checkpoint),
+        "stage": ("forward", ple_checkpoint, "--ple-mmap", "--stage", "--variants", variants),
+        "model_state": ("model_state", ple_checkpoint),
+        "strategies": ("strategies", good, "--ple-mmap"),
+        "config": ("config", good, "--ple-mmap"),
+        "refusals": ("refusals", cases_file),
+        **fp8_jobs(small_checkpoints, "--stage"),
+    }
+    return run_ple_batch(overlays["0002"], jobs)
+
+
+@pytest.fixture(scope="module")
+def patched_runs(runs_0001, runs_0002):
+    """patched_runs(patches) -> the Batch of that patched tree."""
+    return {"0001": runs_0001, "0002": runs_0002}.__getitem__
+
+
+@pytest.fixture(scope="module")
+def pristine(stock_runs):
+    return stock_runs("forward").tensors()["default"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("patches", ["0001", "0002"], ids=["0001", "0001+0002"])
-def test_inactive_patched_layer_is_bit_identical_to_pristine_vllm(run_ple, overlays, ple_checkpoint, pristine, patches):
-    result = run_ple(overlays[patches], "forward", ple_checkpoint)
+def test_inactive_patched_layer_is_bit_identical_to_pristine_vllm(patched_runs, pristine, patches):
+    result = patched_runs(patches)("inactive")
     outputs = result.tensors()
     assert outputs["table_type"] == "PLEVocabParallelEmbedding" and not outputs["ple_mmap"]
     assert same_bits(outputs["default"]["embeddings"], pristine["embeddings"])
@@ -399,8 +468,8 @@ def test_host_hasher_matches_the_models_device_hashing(pristine):
 
 
 @pytest.mark.slow
-def test_0001_lookup_is_bit_identical_to_the_resident_table(run_ple, overlays, ple_checkpoint, pristine):
-    result = run_ple(overlays["0001"], "forward", ple_checkpoint, "--ple-mmap", "--variants", "default,dedup,pool")
+def test_0001_lookup_is_bit_identical_to_the_resident_table(runs_0001, pristine):
+    result = runs_0001("lookup")
     outputs = result.tensors()
     assert outputs["table_type"] == "MmapNGramTable"
     for variant in ("default", "dedup", "pool"):
@@ -410,9 +479,9 @@ def test_0001_lookup_is_bit_identical_to_the_resident_table(run_ple, overlays, p
 
 
 @pytest.mark.slow
-def test_0002_stage_then_forward_is_bit_identical_to_the_resident_table(run_ple, overlays, ple_checkpoint, pristine):
+def test_0002_stage_then_forward_is_bit_identical_to_the_resident_table(runs_0002, pristine):
     variants = "default,pool,tensor_hash,calling_thread"
-    result = run_ple(overlays["0002"], "forward", ple_checkpoint, "--ple-mmap", "--stage", "--variants", variants)
+    result = runs_0002("stage")
     outputs = result.tensors()
     for variant in variants.split(","):
         assert same_bits(outputs[variant]["embeddings"], pristine["embeddings"]), variant
@@ -451,11 +520,11 @@ def test_table_stays_mapped_and_other_tensors_pages_are_released(run_ple, overla
 
 
 @pytest.mark.slow
-def test_0002_model_state_stages_every_forward_and_refuses_unstaged_rows(run_ple, overlays, ple_checkpoint, pristine):
+def test_0002_model_state_stages_every_forward_and_refuses_unstaged_rows(runs_0002, pristine):
     """The wiring: Qwen4ExpModelState.prepare_inputs before each forward, as the V2 runner calls
     it (query_start_loc from the host copy), gives the resident table's outputs; a forward
     without it is refused on the host and by the device-side check graph replays run."""
-    result = run_ple(overlays["0002"], "model_state", ple_checkpoint)
+    result = runs_0002("model_state")
     report = torch.load(result.out)
     assert same_bits(report["layer"], pristine["layer"]), first_difference(report["layer"], pristine["layer"])
     assert report["qsl_types"] and set(report["qsl_types"]) == {"ndarray"}, report["qsl_types"]
@@ -466,12 +535,12 @@ def test_0002_model_state_stages_every_forward_and_refuses_unstaged_rows(run_ple
 
 
 @pytest.mark.slow
-def test_load_strategies_that_read_the_whole_table_are_refused_or_overridden(run_ple, overlays, small_checkpoints):
+def test_load_strategies_that_read_the_whole_table_are_refused_or_overridden(stock_runs, runs_0002):
     """vLLM prefetches every file on NFS when the strategy is unset: ple_mmap sets lazy instead
     (and says so); prefetch, eager and torchao are refused. Stock vLLM shows the hazard."""
-    stock = run_ple(None, "strategies", small_checkpoints["good"]).json()
+    stock = stock_runs("strategies").json()
     assert stock["None"] == {"strategy": None, "prefetched_files": 4}  # what ple_mmap must prevent
-    result = run_ple(overlays["0002"], "strategies", small_checkpoints["good"], "--ple-mmap")
+    result = runs_0002("strategies")
     report = result.json()
     assert report["None"] == {"strategy": "lazy", "prefetched_files": 0}, report
     assert report["lazy"] == {"strategy": "lazy", "prefetched_files": 0}, report
@@ -487,10 +556,8 @@ def test_load_strategies_that_read_the_whole_table_are_refused_or_overridden(run
     [("stock", "FULL_AND_PIECEWISE", False), ("0001", "PIECEWISE", True), ("0002", "FULL_AND_PIECEWISE", False)],
     ids=["stock", "0001", "0001+0002"],
 )
-def test_cudagraph_mode_and_splitting_op_per_patch_combination(
-    run_ple, overlays, small_checkpoints, patches, mode, splitting_op
-):
-    result = run_ple(overlays[patches], "config", small_checkpoints["good"], "--ple-mmap")
+def test_cudagraph_mode_and_splitting_op_per_patch_combination(stock_runs, patched_runs, patches, mode, splitting_op):
+    result = (stock_runs if patches == "stock" else patched_runs(patches))("config")
     report = result.json()
     assert report["cudagraph_mode"] == mode
     assert report["cudagraph_mode_when_full_requested"] == mode
@@ -502,22 +569,8 @@ def test_cudagraph_mode_and_splitting_op_per_patch_combination(
 
 
 @pytest.mark.slow
-def test_refusals_name_the_argument_or_the_shards(run_ple, overlays, small_checkpoints, ple_checkpoint, tmp_path):
-    good = str(small_checkpoints["good"])
-    cases = [
-        {"name": "eager", "checkpoint": good, "load_strategy": "eager"},
-        {"name": "dummy", "checkpoint": good, "load_format": "dummy"},
-        {"name": "copied_rows", "checkpoint": good, "load_strategy_after_hook": "eager"},
-        {"name": "missing", "checkpoint": str(small_checkpoints["missing_shards"])},
-        {"name": "shape", "checkpoint": str(small_checkpoints["bad_shape"])},
-        {"name": "index", "checkpoint": str(small_checkpoints["bad_index"])},
-        {"name": "dtype", "checkpoint": str(small_checkpoints["fp16_table"])},
-        {"name": "reload", "checkpoint": good, "reload": True},
-        {"name": "good", "checkpoint": good},
-    ]
-    cases_file = tmp_path / "cases.json"
-    cases_file.write_text(json.dumps(cases))
-    report = run_ple(overlays["0002"], "refusals", cases_file).json()
+def test_refusals_name_the_argument_or_the_shards(runs_0002):
+    report = runs_0002("refusals").json()  # the cases: runs_0002
     expected = {
         "eager": ("config", "--safetensors-load-strategy eager reads every file into memory"),
         "dummy": ("config", "--load-format dummy has no files to map"),
@@ -535,30 +588,34 @@ def test_refusals_name_the_argument_or_the_shards(run_ple, overlays, small_check
 
 @pytest.mark.slow
 @pytest.mark.parametrize("patches", ["0001", "0002"], ids=["0001", "0001+0002"])
-def test_fp8_table_with_global_scale_is_bit_exact(run_ple, overlays, small_checkpoints, patches):
-    stage = ["--stage"] if patches == "0002" else []
-    report = run_ple(overlays[patches], "fp8", small_checkpoints["fp8"], *stage).json()
+def test_fp8_table_with_global_scale_is_bit_exact(patched_runs, patches):
+    report = patched_runs(patches)("fp8").json()  # 0002: with --stage
     assert report["stock_table"] == "PLEVocabParallelEmbedding" and report["mmap_table"] == "MmapNGramTable"
     assert report["dtypes"] == ["torch.float8_e4m3fn"] * 2
     assert report["scales"][0] == report["scales"][1]
     assert report["rows_equal"] and report["dequantized_equal"]
-    refused = run_ple(overlays[patches], "fp8", small_checkpoints["fp8_no_scale"], *stage).json()
+    refused = patched_runs(patches)("fp8_no_scale").json()
     assert "is FP8 but the checkpoint has no" in refused["message"] and "weight_scale" in refused["message"]
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkpoint, pristine):
+def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkpoint, pristine, tmp_path):
+    # Each rank is a process of its own (two per run, over gloo). The stock layer (no ple_mmap)
+    # runs in the 0001+0002 ranks' processes, before their ple_mmap layer (--stock-out): one
+    # pair of vLLM imports fewer; the 0001 ranks are other processes, compared with it too.
     runs = {}
+    stock_out = [tmp_path / f"stock-rank{r}.pt" for r in (0, 1)]
     for name, overlay, flags in [
-        ("stock", overlays["0002"], []),
         ("0001", overlays["0001"], ["--ple-mmap"]),
         ("0001+0002", overlays["0002"], ["--ple-mmap", "--stage"]),
     ]:
         for attempt in range(3):  # a free port can be taken by another process before rank 0 binds it
             port = free_port()
             args = [*flags, "--tp-size", 2, "--port", port]
+            stock = [("--stock-out", stock_out[r]) if name == "0001+0002" else () for r in (0, 1)]
             started = [
-                run_ple(overlay, "forward", ple_checkpoint, *args, "--tp-rank", r, background=True) for r in (0, 1)
+                run_ple(overlay, "forward", ple_checkpoint, *args, "--tp-rank", r, *stock[r], background=True)
+                for r in (0, 1)
             ]
             logs = [(proc, out, *proc.communicate(timeout=900)) for proc, out in started]
             if all(proc.returncode == 0 for proc, *_ in logs) or attempt == 2:
@@ -568,6 +625,10 @@ def test_tensor_parallel_ranks_equal_stock_and_tp1(run_ple, overlays, ple_checkp
         for rank, (proc, out, stdout, stderr) in enumerate(logs):
             assert proc.returncode == 0, (name, rank, (stdout + stderr)[-6000:])
             runs[name, rank] = torch.load(out)["default"]
+            if name == "0001+0002":
+                stock_run = torch.load(stock_out[rank])
+                assert not stock_run["ple_mmap"] and stock_run["table_type"] == "PLEVocabParallelEmbedding"
+                runs["stock", rank] = stock_run["default"]
     for rank in (0, 1):
         for name in ("0001", "0001+0002"):
             got, want = runs[name, rank], runs["stock", rank]

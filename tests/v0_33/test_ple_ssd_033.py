@@ -116,18 +116,24 @@ def make_config(checkpoint: Path, engram: dict | None, strategy=None, load_forma
 
 
 def init_distributed(config) -> None:
+    import atexit
     import tempfile
 
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    if model_parallel_is_initialized():  # an earlier scenario of the same batch child
+        return
+    rendezvous = tempfile.mktemp(prefix="ple-033-")
+    atexit.register(lambda: Path(rendezvous).unlink(missing_ok=True))
     with set_current_vllm_config(config):
         init_distributed_environment(
             world_size=1,
             rank=0,
             local_rank=0,
             backend="gloo",
-            distributed_init_method=f"file://{tempfile.mktemp(prefix='ple-033-')}",
+            distributed_init_method=f"file://{rendezvous}",
         )
         initialize_model_parallel(1, 1)
 
@@ -395,9 +401,25 @@ def cmd_builds(args) -> dict:
     return made
 
 
+def cmd_batch(args) -> dict:
+    """Several scenarios in this one process (one vLLM import), in order: --jobs is a JSON file
+    of {name: argv of main()}. Each job's outcome is recorded, not raised, so that one failing
+    job fails only the tests that read it: {name: None, or the traceback}."""
+    import traceback
+
+    report = {}
+    for name, argv in json.loads(Path(args.jobs).read_text()).items():
+        try:
+            main(argv)
+            report[name] = None
+        except BaseException:  # noqa: BLE001  (argparse exits too: recorded for the job's test)
+            report[name] = traceback.format_exc()[-6000:]
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    scenarios = ["build", "builds", "forward", "memory", "config", "build_error", "ats"]
+    scenarios = ["build", "builds", "forward", "memory", "config", "build_error", "ats", "batch"]
     parser.add_argument("scenario", choices=scenarios)
     parser.add_argument("dir")
     parser.add_argument("out")
@@ -411,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engram", default="{}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--specs", default="{}", help="builds: {name: build's options} for DIR/<name>")
+    parser.add_argument("--jobs", default=None, help="batch: a JSON file of {name: argv of a scenario}")
     args = parser.parse_args(argv)
     if args.scenario == "build":
         result = build(Path(args.dir), args.base, args.fp8, args.nvfp4, args.filler, args.drop)
@@ -453,10 +476,24 @@ def child_json(tree: Path, tmp: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def child_pt(tree: Path, tmp: Path, *args: str) -> dict:
-    out = tmp / f"{args[0]}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:8]}.pt"
-    child(tree, args[0], args[1], str(out), *args[2:])
-    return torch.load(out)
+class Batch:
+    """Scenarios run by one child (one vLLM import) of a tree, in order; `batch(name)` is one
+    job's JSON or torch result, or fails the calling test with that job's traceback."""
+
+    def __init__(self, tree: Path, folder: Path, jobs: dict[str, list[str]]):
+        self.argv, self.outs = {}, {}
+        for name, (scenario, target, *options) in jobs.items():
+            self.outs[name] = folder / f"{name}.{'pt' if scenario == 'forward' else 'json'}"
+            self.argv[name] = [scenario, target, str(self.outs[name]), *options]
+        (folder / "jobs.json").write_text(json.dumps(self.argv, indent=1))
+        child(tree, "batch", str(folder), str(folder / "batch.json"), "--jobs", str(folder / "jobs.json"))
+        self.errors = json.loads((folder / "batch.json").read_text())
+
+    def __call__(self, name: str):
+        if self.errors[name] is not None:
+            pytest.fail(f"{' '.join(self.argv[name])} failed in its batch child:\n{self.errors[name]}")
+        out = self.outs[name]
+        return torch.load(out) if out.suffix == ".pt" else json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -465,33 +502,65 @@ def trees(tmp_path_factory) -> dict[str, Path]:
     return {"stock": overlay(root / "stock", False), "patched": overlay(root / "patched", True)}
 
 
+CHECKPOINTS = {
+    "bf16": {},
+    "fp8": {"fp8": True},
+    "nvfp4": {"nvfp4": True},
+    "filler": {"base": 20000, "filler": 65536},
+    "missing_shard": {"drop": 5},
+}
+MMAP = '{"offload_storage": "mmap"}'
+
+
+# Each tree's scenarios run in one child of their own (a vLLM import costs ~16 s here), each
+# job's outcome recorded apart; the memory scenario does not (see test_table_is_not_resident_after_steps).
 @pytest.fixture(scope="module")
-def checkpoints(trees, tmp_path_factory) -> dict[str, Path]:
+def stock_runs(trees, tmp_path_factory) -> tuple[dict[str, Path], Batch]:
+    """The checkpoints (built first, by the stock tree), then pristine 0.33.0's scenarios: its
+    resident table (cpu_offload=False) per table format, its config cases, its default build."""
     root = tmp_path_factory.mktemp("ple-033-ckpt")
-    specs = {
-        "bf16": {},
-        "fp8": {"fp8": True},
-        "nvfp4": {"nvfp4": True},
-        "filler": {"base": 20000, "filler": 65536},
-        "missing_shard": {"drop": 5},
+    paths = {name: root / name for name in CHECKPOINTS}
+    bf16 = str(paths["bf16"])
+    jobs = {
+        "builds": ["builds", str(root), "--specs", json.dumps(CHECKPOINTS)],
+        **{f"forward_{f}": ["forward", str(paths[f]), "--storage", "device"] for f in ("bf16", "fp8")},
+        "config": ["config", bf16],
+        "default_build": ["build_error", bf16, "--engram", "{}"],
     }
-    child(trees["stock"], "builds", str(root), str(root / "builds.json"), "--specs", json.dumps(specs))
-    return {name: root / name for name in specs}
+    batch = Batch(trees["stock"], tmp_path_factory.mktemp("stock-runs"), jobs)
+    batch("builds")
+    return paths, batch
 
 
 @pytest.fixture(scope="module")
-def stock_rows(trees, checkpoints, tmp_path_factory):
-    """Pristine 0.33.0's resident table (cpu_offload=False) per table format."""
-    tmp = tmp_path_factory.mktemp("stock")
-    cache: dict[str, dict] = {}
+def checkpoints(stock_runs) -> dict[str, Path]:
+    return stock_runs[0]
 
-    def rows(table_format: str) -> dict:
-        if table_format not in cache:
-            checkpoint = str(checkpoints[table_format])
-            cache[table_format] = child_pt(trees["stock"], tmp, "forward", checkpoint, "--storage", "device")
-        return cache[table_format]
 
-    return rows
+@pytest.fixture(scope="module")
+def stock(stock_runs) -> Batch:
+    return stock_runs[1]
+
+
+@pytest.fixture(scope="module")
+def patched(trees, checkpoints, tmp_path_factory) -> Batch:
+    """The patched tree's scenarios; the builds that end in an error last."""
+    folder = tmp_path_factory.mktemp("patched-runs")
+    bf16 = str(checkpoints["bf16"])
+    jobs = {
+        "config": ["config", bf16],
+        "ats": ["ats", str(folder)],
+        "forward_device_bf16": ["forward", bf16, "--storage", "device"],
+        **{
+            f"forward_{f}_{lookup}": ["forward", str(checkpoints[f]), "--lookup", lookup]
+            for f in ("bf16", "fp8")
+            for lookup in ("staged", "direct")
+        },
+        "default_build": ["build_error", bf16, "--engram", "{}"],
+        "nvfp4_build": ["build_error", str(checkpoints["nvfp4"]), "--engram", MMAP],
+        "missing_shard_build": ["build_error", str(checkpoints["missing_shard"]), "--engram", MMAP],
+    }
+    return Batch(trees["patched"], folder, jobs)
 
 
 def file_digests(root: Path) -> dict[str, str]:
@@ -530,9 +599,8 @@ def test_patch_header_names_target_activation_and_what_needs_a_gb10():
 
 
 @pytest.mark.slow
-def test_config_activation_refusals_and_the_default_hash(trees, checkpoints, tmp_path):
-    stock = child_json(trees["stock"], tmp_path, "config", str(checkpoints["bf16"]))
-    patched = child_json(trees["patched"], tmp_path, "config", str(checkpoints["bf16"]))
+def test_config_activation_refusals_and_the_default_hash(stock, patched):
+    stock, patched = stock("config"), patched("config")
     # Not activated: the EngramConfig upstream creates by default hashes as in stock 0.33.0.
     assert "offload_storage='pinned'" in patched["default"]["engram"], patched["default"]
     assert patched["default"]["hash"] == stock["default"]["hash"]
@@ -570,8 +638,8 @@ def test_config_activation_refusals_and_the_default_hash(trees, checkpoints, tmp
 
 
 @pytest.mark.slow
-def test_ats_detection_is_none_on_this_cpu_and_the_decision_needs_cuda_and_host_page_tables(trees, tmp_path):
-    result = child_json(trees["patched"], tmp_path, "ats", str(tmp_path))
+def test_ats_detection_is_none_on_this_cpu_and_the_decision_needs_cuda_and_host_page_tables(patched):
+    result = patched("ats")
     assert result["attribute_here"] is None  # no CUDA device here: guarded, not an error
     assert result["decisions"] == {
         "cuda/None": "staged",
@@ -584,9 +652,9 @@ def test_ats_detection_is_none_on_this_cpu_and_the_decision_needs_cuda_and_host_
 
 
 @pytest.mark.slow
-def test_inactive_patched_layer_is_bit_identical_to_stock(trees, checkpoints, stock_rows, tmp_path):
-    stock_bf16 = stock_rows("bf16")
-    patched = child_pt(trees["patched"], tmp_path, "forward", str(checkpoints["bf16"]), "--storage", "device")
+def test_inactive_patched_layer_is_bit_identical_to_stock(stock, patched):
+    stock_bf16 = stock("forward_bf16")
+    patched = patched("forward_device_bf16")
     assert patched["class"] == stock_bf16["class"] == "Qwen4ExpPLEDeviceEmbedding"
     assert len(stock_bf16["outputs"]) == 12
     for left, right in zip(stock_bf16["outputs"], patched["outputs"], strict=True):
@@ -594,25 +662,22 @@ def test_inactive_patched_layer_is_bit_identical_to_stock(trees, checkpoints, st
 
 
 @pytest.mark.slow
-def test_default_config_still_picks_upstreams_pinned_table(trees, checkpoints, tmp_path):
+def test_default_config_still_picks_upstreams_pinned_table(stock, patched):
     """On this CPU the pinned table cannot be allocated; stock and patched fail identically,
     in upstream's pinned class (the patch does not divert the default)."""
-    stock = child_json(trees["stock"], tmp_path, "build_error", str(checkpoints["bf16"]), "--engram", "{}")
-    patched = child_json(trees["patched"], tmp_path, "build_error", str(checkpoints["bf16"]), "--engram", "{}")
+    stock, patched = stock("default_build"), patched("default_build")
     assert stock == patched, (stock, patched)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lookup", ["staged", "direct"])
 @pytest.mark.parametrize("table_format", ["bf16", "fp8"])
-def test_mmap_table_rows_equal_the_stock_table_bit_for_bit(
-    trees, checkpoints, stock_rows, tmp_path, lookup, table_format
-):
+def test_mmap_table_rows_equal_the_stock_table_bit_for_bit(stock, patched, lookup, table_format):
     """Staged: MmapNGramTable.stage (as Qwen4ExpModelState.prepare_inputs calls it), then the
     layer's forward. Direct: the GPU path's device ops (start_prefetch's lookup_direct, then
     finalize_prefetch) run on a CPU view of the mappings."""
-    stock = stock_rows(table_format)
-    mmap = child_pt(trees["patched"], tmp_path, "forward", str(checkpoints[table_format]), "--lookup", lookup)
+    stock = stock(f"forward_{table_format}")
+    mmap = patched(f"forward_{table_format}_{lookup}")
     assert mmap["class"] == "Qwen4ExpPLEMmapEmbedding"
     assert mmap["weight_device"] == "meta"  # no copy of the table anywhere
     assert mmap["lookup_mode"] == lookup
@@ -630,16 +695,17 @@ def test_mmap_table_rows_equal_the_stock_table_bit_for_bit(
 
 
 @pytest.mark.slow
-def test_nvfp4_table_is_refused_with_the_reason(trees, checkpoints, tmp_path):
-    patched = child_json(
-        trees["patched"], tmp_path, "build_error", str(checkpoints["nvfp4"]), "--engram", '{"offload_storage": "mmap"}'
-    )
+def test_nvfp4_table_is_refused_with_the_reason(patched):
+    patched = patched("nvfp4_build")
     assert "NVFP4" in patched.get("error", ""), patched
     assert "offload_storage='pinned'" in patched["error"]
 
 
 @pytest.mark.slow
 def test_table_is_not_resident_after_steps(trees, checkpoints, tmp_path):
+    # Two fresh children, one after the other, not jobs of the batches: RssAnon growth and the
+    # files' resident pages are measured in a process that has loaded nothing else, and the
+    # stock child's reads of the files must not refill the page cache while the mmap child steps.
     info = json.loads((checkpoints["filler"].parent / "filler.json").read_text())
     stock = child_json(trees["stock"], tmp_path, "memory", str(checkpoints["filler"]), "--storage", "device")
     mmap = child_json(trees["patched"], tmp_path, "memory", str(checkpoints["filler"]), "--storage", "mmap")
@@ -658,11 +724,8 @@ def test_table_is_not_resident_after_steps(trees, checkpoints, tmp_path):
 
 
 @pytest.mark.slow
-def test_missing_shard_is_refused_by_index(trees, checkpoints, tmp_path):
-    engram = '{"offload_storage": "mmap"}'
-    patched = child_json(
-        trees["patched"], tmp_path, "build_error", str(checkpoints["missing_shard"]), "--engram", engram
-    )
+def test_missing_shard_is_refused_by_index(patched):
+    patched = patched("missing_shard_build")
     assert "checkpoint shards [5] (of 16) were not found" in patched.get("error", ""), patched
 
 
