@@ -3,7 +3,8 @@
 One server of the tiny Qwen3.5 + MTP "increment" model (MTP k=3, every draft accepted) serves
 the whole module, with VLLM_SERVER_DEV_MODE=1 so that /reset_prefix_cache exists: the session
 pool's (tests/conftest.py), which tests/test_vllm_server.py shares. The sweep launches a second
-configuration (MTP off) itself, through serve.sh, once.
+configuration (MTP off) itself, through serve.sh, once, eager (what is checked is the sweep's
+launch and stop of a configuration, not compiled serving).
 
 - bench_decode's TTFT / TPOT / ITL / E2EL are computed with vLLM's own `calculate_metrics` from
   the same per-request timings (exact agreement), and measured side by side with the real
@@ -36,7 +37,7 @@ import pytest
 
 from magpie.measure import common, report, sweep
 from magpie.serving.process import VllmServer
-from tests.conftest import MTP_TOKENS
+from tests.conftest import EAGER, MTP_TOKENS
 from tests.serving.helpers import MEASURE, PYTHON, REPO, run_tool, tool, vllm_env
 
 pytestmark = pytest.mark.slow
@@ -633,13 +634,15 @@ def test_sweep_launches_a_configuration_through_serve_sh(sweep_dir, tiny_mtp_mod
     env = vllm_env(None, VLLM_PYTHON=PYTHON, MAX_MODEL_LEN="2048", PLE="0")
     proc = sweep_cmd(
         sweep_dir, "--config", "off:mtp=0", "--model", str(tiny_mtp_model), "--repeats", "1", "--min-free", "1GiB",
-        *GRID, env=env,
+        *GRID, *(f"--serve-arg={arg}" for arg in EAGER), env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "off: starting serve.sh" in proc.stderr and "off: its server stopped" in proc.stderr
     log = next((sweep_dir / "servers").glob("off-*.log"))
     text = log.read_text()
-    assert "--speculative-config" not in text.split("# command:", 1)[1].splitlines()[0]  # serve.sh's MTP=0
+    command = text.split("# command:", 1)[1].splitlines()[0]
+    assert "--speculative-config" not in command  # serve.sh's MTP=0
+    assert "--enforce-eager" in command  # the sweep's --serve-arg reached vllm serve
     assert text.count("Resetting prefix cache") == 4
     pid = int(re.search(r"server PID (\d+)", (log.parent / (log.name + ".serve-sh.err")).read_text()).group(1))
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

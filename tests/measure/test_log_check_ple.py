@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +47,34 @@ def run_layer(tmp_path, checkpoint, overlay, *flags: str, mode: str = "forward")
     return str(log)
 
 
-def ple_log(tmp_path, checkpoint, selectors: list[str], *flags: str) -> str:
-    return run_layer(tmp_path, checkpoint, make_overlay(tmp_path / "overlay", selectors), "--ple-mmap", *flags)
+STOCK = None  # no overlay: the pristine vLLM of the test venv
+
+
+@pytest.fixture(scope="module")
+def layer_log(tmp_path_factory, ple_checkpoint):
+    """layer_log(selectors, mode, *flags): the log of one runner run of the PLE layer under an
+    overlay with those patches applied (STOCK: the pristine venv), made once for the module. A
+    run starts a fresh Python that imports vLLM (about 16 s on two cores); the tests read the
+    same runs (e.g. 0001's `forward --ple-mmap` is both a log for the check and a source of its
+    Proof-Log lines), and every run is still its own process with its own log file."""
+    folder = tmp_path_factory.mktemp("ple-runs")
+    overlays: dict[tuple[str, ...], Path] = {}
+    logs: dict[tuple, str] = {}
+
+    def layer_log(selectors: list[str] | None, mode: str, *flags: str) -> str:
+        key = (None if selectors is STOCK else tuple(selectors), mode, flags)
+        if key not in logs:
+            overlay = None
+            if key[0] is not None:
+                if key[0] not in overlays:
+                    overlays[key[0]] = make_overlay(folder / f"overlay{len(overlays)}", list(key[0]))
+                overlay = overlays[key[0]]
+            run = folder / f"run{len(logs)}"
+            run.mkdir()
+            logs[key] = run_layer(run, ple_checkpoint, overlay, *flags, mode=mode)
+        return logs[key]
+
+    return layer_log
 
 
 def check(log: str) -> dict:
@@ -56,20 +83,20 @@ def check(log: str) -> dict:
     return json.loads(proc.stdout)["features"]["ple_mmap"]
 
 
-def test_log_check_recognises_ple_mmap_with_rows_gathered_in_the_forward(tmp_path, ple_checkpoint):
-    ple = check(ple_log(tmp_path, ple_checkpoint, ["ple_ssd/0001"]))
+def test_log_check_recognises_ple_mmap_with_rows_gathered_in_the_forward(layer_log):
+    ple = check(layer_log(["ple_ssd/0001"], "forward", "--ple-mmap"))
     assert ple["state"] == "on" and ple["tables"] >= 1
     assert "gathered inside the forward" in ple["rows"]
 
 
-def test_log_check_recognises_ple_mmap_with_rows_staged_before_the_forward(tmp_path, ple_checkpoint):
-    ple = check(ple_log(tmp_path, ple_checkpoint, ["ple_ssd"], "--stage"))
+def test_log_check_recognises_ple_mmap_with_rows_staged_before_the_forward(layer_log):
+    ple = check(layer_log(["ple_ssd"], "forward", "--ple-mmap", "--stage"))
     assert ple["state"] == "on" and ple["tables"] >= 1
     assert "staged before the forward" in ple["rows"]
 
 
-def test_log_check_does_not_see_ple_mmap_in_a_stock_log(tmp_path, ple_checkpoint):
-    assert check(run_layer(tmp_path, ple_checkpoint, None))["state"] == "off"
+def test_log_check_does_not_see_ple_mmap_in_a_stock_log(layer_log):
+    assert check(layer_log(STOCK, "forward"))["state"] == "off"
 
 
 @pytest.mark.parametrize(
@@ -83,16 +110,15 @@ def test_log_check_does_not_see_ple_mmap_in_a_stock_log(tmp_path, ple_checkpoint
         ),
     ],
 )
-def test_every_proof_log_line_of_a_ple_ssd_patch_is_printed_by_it(tmp_path, ple_checkpoint, patch, selectors, modes):
+def test_every_proof_log_line_of_a_ple_ssd_patch_is_printed_by_it(layer_log, patch, selectors, modes):
     """The config hook (config), the table load (forward) and, for 0002, the model state: every
     `Proof-Log:` line of the patch matches a line the patched vLLM printed; the other patch's
     table line does not (the two are told apart)."""
     series = {p.name: p for p in patches.load_series(str(patches.PATCHES_DIR) + "/vllm-0.29.0")}
-    overlay = make_overlay(tmp_path / "overlay", selectors)
     lines = []
     for mode, extra in modes.items():  # None: the mode sets ple_mmap itself
         flags = [] if extra is None else ["--ple-mmap", *extra]
-        with open(run_layer(tmp_path, ple_checkpoint, overlay, *flags, mode=mode)) as log:
+        with open(layer_log(selectors, mode, *flags)) as log:
             lines += log.read().splitlines()
     for proof in series[patch].proof_logs:
         assert any(proof.regex.search(line) for line in lines), f"{patch}: no line matches Proof-Log {proof.name}"

@@ -1,7 +1,9 @@
 """A stopped sweep stops the server it launched: on SIGTERM, and on Ctrl-C under `2>&1 | tee`.
 
 The sweep launches a real vLLM server of the tiny model through serve.sh (in a session of its
-own, so neither signal reaches it) and is stopped in the middle of its first bench run:
+own, so neither signal reaches it; eager, as what is checked is the sweep's stop, not compiled
+serving) and is stopped in the middle of its first bench run (not earlier: a Ctrl-C there is
+caught by the bench, a path of its own):
 - SIGTERM to the sweep alone (what a job runner or `kill` sends; Python's default ends the
   process at once, leaving the server running);
 - SIGINT to the whole job of `( sweep ) 2>&1 | tee LOG`, as a terminal's Ctrl-C does: tee dies
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from magpie.serving.process import group_members
+from tests.conftest import EAGER
 from tests.serving.helpers import PYTHON, tool, vllm_env
 
 pytestmark = pytest.mark.slow
@@ -30,6 +33,7 @@ pytestmark = pytest.mark.slow
 # Enough work that the sweep is still in its first bench run when it is stopped.
 GRID = ["--input-lens", "64,96", "--concurrency", "1", "--repeats", "2", "--output-len", "200"]
 GRID += ["--prompts-per-point", "4", "--min-free", "1GiB", "--start-timeout", "600"]
+GRID += [f"--serve-arg={arg}" for arg in EAGER]
 
 
 def sweep_args(run_dir: Path, model: Path) -> list[str]:
