@@ -234,9 +234,15 @@ def test_bench_agrees_with_the_real_vllm_bench_serve_cli(server, prompts, tmp_pa
     # and TTFT do too (seen in a clean-clone CI run: vLLM's median TPOT 0.0016 ms beside our
     # 0.90 ms). The definitions themselves are checked against vLLM's calculate_metrics on the
     # same timings (test_bench_figures_equal_vllm_calculate_metrics_on_the_same_timings).
-    for name in ("e2el",):
-        ratio = s[f"{name}_ms"]["median"] / theirs[f"median_{name}_ms"]
-        assert 1 / 3 < ratio < 3, (name, s[f"{name}_ms"]["median"], theirs[f"median_{name}_ms"])
+    # The fastest request of each run, not the median: the suite runs two test files at once, so
+    # the other worker's load can rise between the two runs (seen in a clean-clone run: vLLM's
+    # median E2EL 1,240 ms beside our 290 ms), and the fastest of six requests is the one least
+    # slowed by it. vLLM's per-request E2EL is its TTFT plus its inter-chunk gaps (the time of the
+    # last chunk; its own latency adds the stream's end).
+    theirs_fastest = min(ttft + sum(itl) for ttft, itl in zip(theirs["ttfts"], theirs["itls"], strict=True)) * 1000
+    ratio = s["e2el_ms"]["min"] / theirs_fastest
+    assert 1 / 3 < ratio < 3, ("fastest e2el ms", s["e2el_ms"]["min"], theirs_fastest)
+    assert theirs["median_e2el_ms"] > 0
     assert theirs["mean_itl_ms"] >= 0 and s["itl_ms"]["mean"] > 0
     for label in ("TTFT ms", "TPOT ms", "ITL ms (per chunk)"):
         assert re.search(rf"^  {re.escape(label)}\s+mean \S+  p50 \S+  p90 \S+  p99 \S+", ours["stdout"], re.M)
