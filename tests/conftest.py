@@ -35,15 +35,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files with a `slow` test first, each file's tests kept together and in their order; the
-    rest after, in collection order. tests/run.sh's two workers take whole files in this order,
-    so the files that start servers or import vLLM are spread over both from the start and the
-    many short files fill the end, instead of one worker finishing a server file alone."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 @pytest.fixture(scope="session")
 def gsm8k_fixture() -> Path:
     """Twelve GSM8K-format problems (tests/fixtures) for the gsm8k tool and the suites that run it."""

@@ -342,12 +342,21 @@ def test_a_reply_that_arrives_in_a_burst_gives_no_burst_rate(server, prompts, tm
     """Every second reply arrives in one write, or (the H200 sweep's case: two 256-token replies
     in 2.45 and 10.7 ms read as 97,701 and 23,600 tok/s) the role and first token chunks, then
     3 ms, then the rest: a window over the 2 ms floor the bench used to have."""
-    with BurstProxy(server.url, head_lines=head_lines, pause_s=pause_s) as proxy:
-        result = bench(proxy.url, tmp_path / "bench.json", write_prompts(tmp_path, prompts), "--warmup", "0")
-    records, s = result["records"], result["summary"]
-    bursts = [r for r in records if r["index"] % 2 == 1]  # the proxy holds every second stream
-    for record in bursts:  # the reply after the pause reached the client at once (20 ms: a loaded host)
-        assert record["chunks"][-1][0] - record["chunks"][0][0] < pause_s + 0.02, record["chunks"]
+    # The case needs the held replies to reach the client at once (within 20 ms of the pause): on a
+    # host busy with another test file (tests/run.sh runs two) the client can be descheduled
+    # between chunks (seen: 64 ms), which is no burst. Such a run is made again, up to three times.
+    windows = []
+    for attempt in range(3):
+        with BurstProxy(server.url, head_lines=head_lines, pause_s=pause_s) as proxy:
+            out = tmp_path / f"bench-{attempt}.json"
+            result = bench(proxy.url, out, write_prompts(tmp_path, prompts), "--warmup", "0")
+        records, s = result["records"], result["summary"]
+        bursts = [r for r in records if r["index"] % 2 == 1]  # the proxy holds every second stream
+        windows = [r["chunks"][-1][0] - r["chunks"][0][0] for r in bursts]
+        if bursts and all(w < pause_s + 0.02 for w in windows):
+            break
+    assert bursts and all(w < pause_s + 0.02 for w in windows), ("no run delivered the bursts at once", windows)
+    for record in bursts:
         # vLLM's TPOT of such a reply is what the client saw: the burst, not the engine's time.
         assert record["tpot_s"] == pytest.approx((record["latency_s"] - record["ttft_s"]) / (MAX_TOKENS - 1))
     engine = s["engine_decode_tok_per_s"]
