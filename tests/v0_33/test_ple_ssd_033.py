@@ -403,18 +403,13 @@ def cmd_builds(args) -> dict:
 
 def cmd_batch(args) -> dict:
     """Several scenarios in this one process (one vLLM import), in order: --jobs is a JSON file
-    of {name: argv of main()}. Each job's outcome is recorded, not raised, so that one failing
-    job fails only the tests that read it: {name: None, or the traceback}."""
-    import traceback
+    of {name: argv of main()}. ple_runner's run_jobs runs them: each job's output goes to OUT.log
+    beside its result, and its outcome is recorded, not raised, so that one failing job fails
+    only the tests that read it: {name: None, or the traceback}."""
+    from tests.ple_ssd.ple_runner import run_jobs
 
-    report = {}
-    for name, argv in json.loads(Path(args.jobs).read_text()).items():
-        try:
-            main(argv)
-            report[name] = None
-        except BaseException:  # noqa: BLE001  (argparse exits too: recorded for the job's test)
-            report[name] = traceback.format_exc()[-6000:]
-    return report
+    jobs = json.loads(Path(args.jobs).read_text())
+    return run_jobs({name: [argv, f"{argv[2]}.log"] for name, argv in jobs.items()}, main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -490,9 +485,10 @@ class Batch:
         self.errors = json.loads((folder / "batch.json").read_text())
 
     def __call__(self, name: str):
-        if self.errors[name] is not None:
-            pytest.fail(f"{' '.join(self.argv[name])} failed in its batch child:\n{self.errors[name]}")
         out = self.outs[name]
+        if self.errors[name] is not None:
+            log = Path(f"{out}.log").read_text()[-3000:]
+            pytest.fail(f"{' '.join(self.argv[name])} failed in its batch child:\n{log}\n{self.errors[name]}")
         return torch.load(out) if out.suffix == ".pt" else json.loads(out.read_text())
 
 
