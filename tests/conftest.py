@@ -34,6 +34,15 @@ VLLM_VERSION = releases.default()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+# vLLM's CPU platform gives an engine's one worker a process of its own, spawned, so that it can
+# bind its OpenMP threads: a third import of vLLM per server (API server, engine core, worker), ~12 s
+# of CPU here (a tiny MTP server healthy after 32 s, 20 s without it, on this 2-core VM). With
+# VLLM_ENABLE_V1_MULTIPROCESSING=0 the worker runs inside the engine-core process, as one rank does
+# on a GPU (vLLM's uni executor); a server's engine core still runs in its own process (the API
+# server always starts one), and `vllm.LLM` runs its engine in the caller's process. The plain
+# server of tests/test_vllm_server.py keeps the CPU default (1). A value set outside is kept.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 
 @pytest.fixture(scope="session")
 def gsm8k_fixture() -> Path:

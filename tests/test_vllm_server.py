@@ -17,7 +17,10 @@ PROMPTS = ["The cat sees the red house", "Our team builds a list quickly", "def 
 
 @pytest.fixture(scope="module")
 def plain_server(tiny_mtp_model, tmp_path_factory):
-    with VllmServer(tiny_mtp_model, env=vllm_env(), log_path=tmp_path_factory.mktemp("plain") / "server.log") as s:
+    # vLLM's CPU default process layout (tests/conftest.py runs the others' workers in the engine
+    # core): the worker in a process of its own.
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    with VllmServer(tiny_mtp_model, env=env, log_path=tmp_path_factory.mktemp("plain") / "server.log") as s:
         yield s
 
 
@@ -63,6 +66,10 @@ def test_mtp_server_accepts_every_draft_and_matches_plain_text(plain_server, mtp
 def test_server_stops_by_pid_with_its_whole_process_group(plain_server, mtp_server):
     # Last in this module, so it may stop its servers (the plain one's teardown is then a no-op;
     # the pool starts the MTP one again for a later module that asks for it).
+    # The plain server's CPU worker logs from a process of its own; the pooled MTP server's runs in
+    # its engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0, tests/conftest.py).
+    assert "(Worker pid=" in plain_server.log_path.read_text()
+    assert "(Worker pid=" not in mtp_server.log_path.read_text()
     for server in (plain_server, mtp_server):
         assert len(group_members(server.pid)) >= 2  # API server + engine core (+ worker)
         server.stop()

@@ -91,7 +91,10 @@ def mtp_server(work, tiny_mtp_model, patched_vllm):
         "mtp",
         tiny_mtp_model,
         patched_vllm,
-        {"MTP": str(MTP_TOKENS)},
+        # The CPU default process layout (tests/conftest.py moves the others' workers into the engine
+        # core): profiled inside the engine-core process instead, the torch profiler on this CPU build
+        # held 8.8 GB and a core for 8+ minutes writing a half-second window's trace.
+        {"MTP": str(MTP_TOKENS), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
         ["--profiler-config", PROFILER.format(traces)],
     )
     server.trace_dir = traces
