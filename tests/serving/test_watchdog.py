@@ -11,9 +11,11 @@ without MTP.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -86,30 +88,64 @@ def server(tmp_path_factory, tiny_random_model):
     server.stop()
 
 
-# Longer than the pauses below need (about 2 s of decoding between them): 2000 tokens are 40+ s of
-# eager decoding on a busy two-core VM (~45 tokens/s), and seconds on an idle fast one.
-LONG_TOKENS = 2000
+# A streamed request far longer than the pauses below need (about 2 s of decoding between them) on
+# any machine; the test closes it once the engine is seen moving again, so how fast this machine
+# decodes (40+ tokens/s on an idle 2-core VM, under 10 on a busy one) sets no test's length.
+LONG_TOKENS = 4000
 
 
 def running(server: VllmServer) -> float:
     return MetricsSnapshot.fetch(server.url).sum("vllm:num_requests_running") or 0.0
 
 
-def long_request(server: VllmServer, result: dict) -> threading.Thread:
-    def run():
-        try:
-            body = {"model": "tiny", "prompt": "5 6 7", "max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
-            result["response"] = server.post("/v1/completions", body, timeout=600)
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            result["error"] = e
+class LongRequest:
+    """One streamed completion in a thread: `chunks` counts the text chunks received so far;
+    close() drops the connection, which makes vLLM abort the request."""
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while running(server) < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert running(server) >= 1
-    return thread
+    def __init__(self, server: VllmServer):
+        host, port = server.url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        self.chunks = 0
+        self.finished = False
+        self.error: Exception | None = None
+        self.closed = False
+        body = {"model": "tiny", "prompt": "5 6 7", "max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
+        self.conn.request(
+            "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+        )
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while running(server) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running(server) >= 1
+
+    def _read(self) -> None:
+        try:
+            resp = self.conn.getresponse()
+            assert resp.status == 200, resp.status
+            for line in resp:
+                if line.startswith(b"data: [DONE]"):
+                    self.finished = True
+                elif line.startswith(b"data: "):
+                    self.chunks += len(json.loads(line[6:])["choices"][0]["text"]) > 0
+        except Exception as e:  # noqa: BLE001 - reported by the test, unless the test closed it
+            if not self.closed:
+                self.error = e
+
+    def wait_for_more(self, count: int, timeout: float) -> None:
+        """Wait until COUNT more chunks have arrived than now."""
+        target, deadline = self.chunks + count, time.monotonic() + timeout
+        while self.chunks < target and self.error is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert self.chunks >= target and self.error is None, (self.chunks, target, self.error)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.conn.sock is not None:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+        self.thread.join(timeout=30)
 
 
 def start_watchdog(server: VllmServer, log: Path, *options: str) -> subprocess.Popen:
@@ -155,20 +191,20 @@ def wait_for(path: Path, needle: str, timeout: float) -> str:
 def test_watchdog_reports_a_frozen_generation_counter_while_health_stays_green(server, tmp_path):
     engine = engine_core_pid(server)
     log = tmp_path / "watchdog.log"
-    result: dict = {}
+    request = None
     watchdog = start_watchdog(server, log, "--stall-after", "4", "--on-stall", "report")
     try:
         wait_for(log, "server healthy; watching its counters", 30)
         # The request starts once the watchdog watches, so that all of its decoding time is left
         # for the pauses below (a fast machine decodes it in seconds).
-        thread = long_request(server, result)
+        request = LongRequest(server)
         # A pause shorter than --stall-after is not a stall.
         os.kill(engine, signal.SIGSTOP)
         time.sleep(2)
         os.kill(engine, signal.SIGCONT)
         time.sleep(1)
         assert "stalled engine" not in log.read_text()
-        assert running(server) >= 1, "the request should still be running (make max_tokens larger)"
+        assert running(server) >= 1 and not request.finished, "the request should still run (raise LONG_TOKENS)"
 
         os.kill(engine, signal.SIGSTOP)
         started = time.monotonic()
@@ -178,15 +214,25 @@ def test_watchdog_reports_a_frozen_generation_counter_while_health_stays_green(s
         with urllib.request.urlopen(server.url + "/health", timeout=10) as resp:
             assert resp.status == 200, "/health reports a stalled engine as healthy: that is why the watchdog exists"
         assert watchdog.poll() is None and server.alive()
+        frozen = request.chunks
+        time.sleep(1)
+        assert request.chunks == frozen, "no token while the engine is stopped"
         os.kill(engine, signal.SIGCONT)
         wait_for(log, "engine moving again", 30)
-        thread.join(timeout=300)
-        assert "error" not in result and result["response"]["usage"]["completion_tokens"] == LONG_TOKENS
+        # Left running, the same request goes on: its stream brings new tokens.
+        request.wait_for_more(5, 120)
+        assert not request.finished, "the request should still run (raise LONG_TOKENS)"
         print(f"stall detected {detected_s:.1f} s after SIGSTOP with --stall-after 4 --interval 0.5")
     finally:
         os.kill(engine, signal.SIGCONT)
+        if request is not None:
+            request.close()  # vLLM aborts the request its client left
         watchdog.terminate()
         assert watchdog.wait(timeout=30) == 0
+    deadline = time.monotonic() + 60
+    while running(server) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running(server) == 0, "vLLM aborts a streamed request whose client has gone"
 
 
 @pytest.mark.slow
