@@ -513,9 +513,10 @@ def test_table_stays_mapped_and_other_tensors_pages_are_released(run_ple, overla
     assert loaded[rss] < 0.05 * report["filler_bytes"], report
     assert read["RssFile"] - loaded["RssFile"] > 0.9 * report["filler_bytes"], report
     assert report["released_bytes"] >= 0.9 * report["filler_bytes"], report
-    # Lookups copy rows, never the table: anonymous memory (the layer's weights and its staging
-    # buffers included) grows by far less than the table's size, which a copy would add.
-    assert report["after_lookups"]["RssAnon"] - before["RssAnon"] < 0.3 * report["table_bytes"], report
+    # Lookups copy rows, never the table: anonymous memory (the layer's weights, its staging
+    # buffers and the gather threads' stacks and heaps included) grows by far less than the table's
+    # size, which a copy would add (20.7 MB of a 64.3 MB table seen on a 2-core VM under load).
+    assert report["after_lookups"]["RssAnon"] - before["RssAnon"] < 0.5 * report["table_bytes"], report
     assert "GiB of other tensors' pages released" in result.log
 
 

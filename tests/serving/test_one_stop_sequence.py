@@ -44,8 +44,9 @@ STUBBORN = textwrap.dedent(
 
 
 def _wait_for_file(path: Path, timeout: float = 30) -> str:
+    """PATH's text, once it exists and says something."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not (path.exists() and path.read_text().strip()):
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
     return path.read_text()
@@ -153,7 +154,7 @@ def test_memguard_run_stops_its_server_through_the_stop_sequence(tmp_path, signu
     server = None
     try:
         worker = int(_wait_for_file(marker))
-        server = int(pid_file.read_text())
+        server = int(_wait_for_file(pid_file))  # the supervisor writes it once its child has started
         started = time.monotonic()
         run.send_signal(signum)
         _, err = run.communicate(timeout=60)
