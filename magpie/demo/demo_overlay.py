@@ -62,6 +62,11 @@ def vllm_env(overlay: str | os.PathLike | None = None, **extra: str) -> dict[str
     )
     if overlay is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(overlay)] + [p for p in [env.get("PYTHONPATH")] if p])
+        # vLLM caches what it learns of a model class under VLLM_CACHE_ROOT/modelinfos, one file per
+        # class that holds its source's hash: a patched copy and the installed package overwrite each
+        # other's entry, and each miss inspects the class in a new Python that imports vLLM (~10 s
+        # of CPU on two cores). The overlay's own cache root (beside it) keeps both; one you set wins.
+        env.setdefault("VLLM_CACHE_ROOT", f"{os.path.abspath(overlay)}.vllm-cache")
     env.update(extra)
     return env
 
