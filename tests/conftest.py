@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -39,6 +40,18 @@ VLLM_VERSION = releases.default()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# A run started in the background of a non-interactive shell (`tests/run.sh &`, `nohup ... &`)
+# inherits SIGINT and SIGQUIT ignored, and so would every process the suite starts: Python then
+# installs no KeyboardInterrupt handler, and the tests of what a Ctrl-C does (to the patch tool
+# waiting for its lock, to a sweep under `| tee`) saw it ignored: both failed in every such run on
+# 2026-12-07 (/proc's SigIgn of the tool: 0x1001006, SIGINT and SIGQUIT among it) and passed run in
+# the foreground. A terminal's foreground job has the defaults, which these tests stand for: set
+# them back. SIGHUP is left as it is (nohup keeps a run going after a hang-up).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 # vLLM's CPU platform gives an engine's one worker a process of its own, spawned, so that it can
 # bind its OpenMP threads: a third import of vLLM per server (API server, engine core, worker), ~12 s
