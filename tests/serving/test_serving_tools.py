@@ -94,7 +94,10 @@ def mtp_server(work, tiny_mtp_model, patched_vllm):
         # The CPU default process layout (tests/conftest.py moves the others' workers into the engine
         # core): profiled inside the engine-core process instead, the torch profiler on this CPU build
         # held 8.8 GB and a core for 8+ minutes writing a half-second window's trace.
-        {"MTP": str(MTP_TOKENS), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        # The watchdog's stall limit above the trace export: writing a window's trace stops the
+        # engine core, and under the other worker's load (2026-12-07) that took over 60 s, the
+        # default limit, so the watchdog stopped the server in the middle of profile-capture.
+        {"MTP": str(MTP_TOKENS), "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "WATCHDOG_ARGS": "--stall-after 600"},
         ["--profiler-config", PROFILER.format(traces)],
     )
     server.trace_dir = traces
