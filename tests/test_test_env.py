@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata as metadata
+import importlib.util
 import json
 import os
 import platform
@@ -74,6 +75,31 @@ def test_setup_unpacked_every_sdist_the_table_names_for_the_tests(sdist_root, re
     stamp = sdist_root.parent / f".vllm-{release}.tar.gz.sha256"
     assert stamp.read_text().strip() == releases.sdist(release)["sha256"]
     assert (sdist_root.parent / f"vllm-{release}" / "vllm" / "__init__.py").is_file()
+
+
+@pytest.mark.parametrize("release", releases.other_series_releases())
+def test_setup_compiled_the_sdists_whose_python_the_tests_run(sdist_root, release):
+    """tests/env/setup.sh writes the bytecode of the series releases other than the venv's, which
+    the tests import from hard-link copies: each module's .pyc is there and records its source's
+    mtime and size (what Python checks before using it)."""
+    package = sdist_root.parent / f"vllm-{release}" / "vllm"
+    sources = sorted(package.rglob("*.py"))
+    assert sources, package
+    stale = []
+    for source in sources:
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        try:
+            header = cached.read_bytes()[:16]
+        except FileNotFoundError:
+            stale.append(f"{source}: no {cached.name}")
+            continue
+        stat = source.stat()
+        if header[4:8] != b"\0\0\0\0" or (
+            int.from_bytes(header[8:12], "little"),
+            int.from_bytes(header[12:16], "little"),
+        ) != (int(stat.st_mtime) & 0xFFFFFFFF, stat.st_size & 0xFFFFFFFF):
+            stale.append(f"{source}: {cached.name} is not of this source")
+    assert not stale, f"{len(stale)} of {len(sources)} modules: {stale[:3]}"
 
 
 def test_sdist_fetch_refuses_a_wrong_hash(tmp_path, monkeypatch):

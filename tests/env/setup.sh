@@ -91,4 +91,18 @@ PY
 fi
 
 "$venv/bin/python" "$root/tests/env/fetch_sdist.py" --for-tests "$sdist_dir" >/dev/null
+# Bytecode for the sdist trees whose Python the tests run (the series releases other than the
+# venv's own): each test's overlay is a hard-link copy (`cp -al`) of a tree, so the .pyc files
+# made here are shared by every copy instead of compiled again in each process that imports one
+# (1.7 s of a 0.34 process's 8.4 s start; the whole tree compiles in ~5 s). Patched files get a
+# new mtime and are compiled from their own source. Up-to-date files are skipped.
+(cd "$root" && "$venv/bin/python" - "$sdist_dir") <<'PY'
+import compileall, sys
+from pathlib import Path
+from magpie import releases
+for release in releases.other_series_releases():
+    tree = Path(sys.argv[1]) / f"vllm-{release}" / "vllm"
+    if not compileall.compile_dir(tree, quiet=2, workers=0):
+        sys.exit(f"error: compiling {tree} failed (a file of the sdist does not compile with this Python)")
+PY
 echo "test env: sdists in $sdist_dir"
