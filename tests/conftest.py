@@ -222,3 +222,40 @@ def mtp3_server(vllm_servers, tiny_mtp_model) -> VllmServer:
     """The pool's tiny increment model with MTP k=3 (MTP3_ARGS), running when the module starts
     (a module that stops it leaves the next module a fresh one)."""
     return vllm_servers.get(tiny_mtp_model, MTP3_ARGS, env=MTP3_ENV)
+
+
+# tests/run.sh runs two workers that take whole files (--dist loadfile), the next file in collection
+# order whenever one is free (--no-loadscope-reorder: pytest-xdist would otherwise order the files by
+# their number of tests). The files below took the longest on the 2-core VM (seconds per file summed
+# from --durations, two runs on 2026-12-07: 190-290 s for the first three, 70-140 s for the rest),
+# so they go first, the longest first: the run then ends on short files that fill both workers
+# instead of one worker finishing a long file alone. The other files follow in collection order.
+LONGEST_FIRST = (
+    "tests/serving/test_profiles.py",
+    "tests/release_python/test_mtp_pruning.py",
+    "tests/serving/test_serving_tools.py",
+    "tests/ple_ssd/test_ple_ssd.py",
+    "tests/nix/test_flake_pins.py",
+    "tests/nix/test_wheel_install.py",
+    "tests/serving/test_serve_sh_liveness.py",
+    "tests/v0_33/test_ple_ssd_033.py",
+    "tests/serving/test_cluster.py",
+    "tests/measure/test_sweep_signals.py",
+    "tests/test_patch_tool_safety.py",
+    "tests/measure/test_log_check_ple.py",
+    "tests/measure/test_sweep_keepsets.py",
+    "tests/measure/test_bench_and_sweep.py",
+    "tests/mtp_pruning/test_mtp_pruning_startup.py",
+    "tests/test_vllm_server.py",
+    "tests/test_test_env.py",
+    "tests/mtp_pruning/test_mtp_pruning_server.py",
+    "tests/mtp_pruning/test_mtp_pruning_bench_pruned.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """LONGEST_FIRST's files first, in its order; a stable sort keeps each file's own order (and the
+    fixture-scope grouping pytest made before this hook) and the rest's collection order."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

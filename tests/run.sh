@@ -26,6 +26,8 @@ cd "$root"
 # -n 2 --dist loadfile: two pytest-xdist workers, each taking whole test files (a file's module
 # fixtures and servers stay in one process). Much of the suite waits (server starts, signals,
 # timeouts, the package registry) rather than computes, so a second worker fills that time even
-# on two cores; each worker has its own session pool of servers. A later -n in "$@" wins.
+# on two cores; each worker has its own session pool of servers. --no-loadscope-reorder: the files
+# go out in collection order, the longest first (tests/conftest.py, LONGEST_FIRST). A later -n in
+# "$@" wins.
 exec "$root/.venv/bin/python" -m pytest tests -p no:cacheprovider --timeout 1800 --durations=30 \
-  -n 2 --dist loadfile "$@"
+  -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -102,6 +102,15 @@ def test_setup_compiled_the_sdists_whose_python_the_tests_run(sdist_root, releas
     assert not stale, f"{len(stale)} of {len(sources)} modules: {stale[:3]}"
 
 
+def test_the_longest_first_files_exist_once():
+    """tests/conftest.py's LONGEST_FIRST (the order the two workers take files in): a renamed or
+    removed file there would silently lose its place."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), LONGEST_FIRST
+    assert [p for p in LONGEST_FIRST if not (REPO / p).is_file()] == []
+
+
 def test_sdist_fetch_refuses_a_wrong_hash(tmp_path, monkeypatch):
     """The hash is the release table's: a copy with another sha256 for 0.28.0 is refused."""
     table = json.loads(releases.TABLE.read_text())
